@@ -1,0 +1,1 @@
+"""Model building blocks: norm, rotary embedding, attention math, dense MLP, MoE."""

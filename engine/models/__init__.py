@@ -1,0 +1,1 @@
+"""Model code: the MiMo-V2 architecture, its loader and random-checkpoint writer."""

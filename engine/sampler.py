@@ -1,0 +1,210 @@
+"""Next-token sampling for a batch: greedy argmax, or temperature, top-k, top-p and min-p filtering
+followed by an exponential race whose noise comes from each request's own generator when seeded.
+
+Order for non-greedy rows (SGLang's): logits / temperature -> top-k -> top-p -> min-p -> softmax ->
+argmax(probs / Exp(1) noise). min-p compares each token with the top token, a ratio that the
+earlier masks never change, so its place in the order only matters relative to top-p, which
+measures mass on the top-k-renormalized distribution.
+
+Logprobs are those of the raw logits (before temperature and filtering), like vLLM's default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from engine.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+class SampleOutput(NamedTuple):
+    """One sampling step for B rows.
+
+    Attributes:
+        token_ids: int64 [B].
+        logprobs: float32 [B], log-softmax of the raw logits at ``token_ids``; None when no row
+            asked for logprobs (when one did, every row gets its value).
+        top_logprobs: per row, the top-N ``(token_id, logprob)`` of the raw distribution, highest
+            first; None for a row with ``logprobs=None``, ``[]`` for ``logprobs=0``.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor | None
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+class Sampler:
+    """Stateless: everything a step needs comes in through ``sample``'s arguments."""
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> SampleOutput:
+        """Pick one token per row.
+
+        Args:
+            logits: [B, V], any float dtype; the math runs in float32.
+            params: one per row.
+            generators: one per row, on ``logits.device``; None draws from torch's default RNG.
+                A seeded row's draw depends only on its generator and its own logits.
+
+        Raises:
+            ValueError: if logits is not 2-D or the lengths of params/generators are not B.
+        """
+        _check_batch(logits, params, generators)
+        logits = logits.float()
+        token_ids = sample_tokens(logits, params, generators)
+        if all(p.logprobs is None for p in params):
+            return SampleOutput(token_ids, None, [None] * len(params))
+        logprobs = torch.log_softmax(logits, dim=-1)
+        chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
+        return SampleOutput(token_ids, chosen, top_logprobs(logprobs, [p.logprobs for p in params]))
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """A generator for one request's noise, or None (share the default RNG) when seed is None."""
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """int64 [B]: argmax for greedy rows, a filtered random draw for the others."""
+    token_ids = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if not rows:
+        return token_ids
+    index = torch.tensor(rows, device=logits.device)
+    probs = filtered_probs(logits[index], [params[i] for i in rows])
+    token_ids[index] = exponential_race(probs, [generators[i] for i in rows])
+    return token_ids
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """float32 [B, V]: softmax of the logits after temperature, top-k, top-p and min-p.
+
+    NOTE: a filter a row does not use leaves that row bit-identical, so skipping a filter that no
+    row uses cannot change a seeded row's draw with the batch composition.
+    """
+    device, vocab_size = logits.device, logits.shape[-1]
+    logits = logits / _row_tensor([p.temperature for p in params], device)[:, None]
+    if any(p.top_k is not None for p in params):
+        k = [min(p.top_k or vocab_size, vocab_size) for p in params]
+        logits = apply_top_k(logits, torch.tensor(k, device=device))
+    if any(p.top_p < 1 for p in params):
+        logits = apply_top_p(logits, _row_tensor([p.top_p for p in params], device))
+    if any(p.min_p > 0 for p in params):
+        logits = apply_min_p(logits, _row_tensor([p.min_p for p in params], device))
+    return logits.softmax(dim=-1)
+
+
+def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every logit below its row's k-th largest; ties with the k-th largest all stay.
+
+    Args:
+        logits: [B, V] float.
+        k: int64 [B], each in [1, V]; k == V leaves the row unchanged.
+    """
+    top = logits.topk(int(k.max()), dim=-1).values  # [B, max k], descending
+    kth_largest = top.gather(-1, (k - 1)[:, None])
+    return logits.masked_fill(logits < kth_largest, _NEG_INF)
+
+
+def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Keep, per row, the smallest set of most likely tokens whose probability reaches p.
+
+    A token stays when the mass of the tokens ranked above it is < p, so the top token always
+    stays. Ties rank the lower index first (stable sort).
+
+    Args:
+        logits: [B, V] float.
+        p: float32 [B], each in (0, 1]; p == 1 leaves the row unchanged (no rounding in the
+            cumulative sum can drop a tail token).
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    mass_above = F.pad(cum_probs[:, :-1], (1, 0))  # [B, V]; mass_above[:, 0] == 0
+    keep_sorted = (mass_above < p[:, None]) | (p[:, None] >= 1)
+    keep = torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    return logits.masked_fill(~keep, _NEG_INF)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every token whose probability is below min_p times its row's top probability.
+
+    Works in log space, p_i / p_max = exp(l_i - l_max), so no softmax is needed.
+
+    Args:
+        logits: [B, V] float.
+        min_p: float32 [B], each in [0, 1]; 0 leaves the row unchanged (log 0 = -inf).
+    """
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log()[:, None]
+    return logits.masked_fill(logits < threshold, _NEG_INF)
+
+
+def exponential_race(
+    probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
+    """int64 [B]: token i of each row with probability probs[row, i].
+
+    argmax_i(probs_i / q_i) with q_i ~ Exp(1) i.i.d. is an exact categorical draw (the Gumbel-max
+    trick in disguise); a token with probability 0 can never win. A row with a generator draws its
+    V noise values from it alone; the other rows share torch's default RNG.
+    """
+    noise = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        noise.exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    # NOTE: a draw of exactly 0 would make 0 / 0 = NaN for a masked token, and argmax picks NaN.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def top_logprobs(
+    logprobs: torch.Tensor, nums: Sequence[int | None]
+) -> list[list[tuple[int, float]] | None]:
+    """Per row, the ``nums[row]`` highest ``(token_id, logprob)`` pairs, highest first.
+
+    Args:
+        logprobs: float32 [B, V] log-probabilities.
+        nums: per row, how many alternatives (None: the row gets None).
+    """
+    max_num = min(max((n for n in nums if n is not None), default=0), logprobs.shape[-1])
+    values, ids = logprobs.topk(max_num, dim=-1)
+    value_rows, id_rows = values.tolist(), ids.tolist()
+    return [
+        None if n is None else list(zip(id_rows[row][:n], value_rows[row][:n]))
+        for row, n in enumerate(nums)
+    ]
+
+
+def _row_tensor(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _check_batch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits.shape={tuple(logits.shape)}: must be [batch, vocab]")
+    batch_size = logits.shape[0]
+    if len(params) != batch_size or len(generators) != batch_size:
+        raise ValueError(
+            f"len(params)={len(params)}, len(generators)={len(generators)}: "
+            f"must both equal the batch size {batch_size}"
+        )
