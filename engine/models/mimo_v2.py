@@ -77,7 +77,7 @@ class MiMoV2ForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab] float32 (the matmul runs in the model dtype, as the reference)."""
+        """[n, hidden] -> [n, vocab] float32 (the matmul runs in the model dtype, like the ref)."""
         return self.lm_head(hidden).float()
 
 
