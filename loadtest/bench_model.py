@@ -1,0 +1,125 @@
+"""Prefill and decode tok/s of ``engine.LLM`` vs transformers' ``generate()`` on one checkpoint.
+
+Prefill: a greedy generate of 1 new token, BATCH * PROMPT_LEN tokens. Decode: a generate of
+NEW_TOKENS new tokens minus that prefill time, BATCH * (NEW_TOKENS - 1) tokens. Ours and theirs
+alternate (A B A B ...) so machine drift hits both alike; each cell is the median of REPEATS.
+The same run checks that both pick identical greedy tokens.
+
+    python loadtest/bench_model.py [--model DIR] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import transformers
+
+from engine import LLM, SamplingParams
+from engine.models.checkpoint import DEMO_CONFIG, write_random_checkpoint
+
+PROMPT_LEN = 256
+NEW_TOKENS = 64
+BATCH_SIZES = (1, 8)
+REPEATS = 3
+SEED = 0
+NUM_THREADS = 2  # the same for both engines
+
+Generate = Callable[[list[list[int]], int], list[list[int]]]
+
+
+def main() -> None:
+    args = _parse_args()
+    torch.manual_seed(SEED)
+    torch.set_num_threads(NUM_THREADS)
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(args.model or write_random_checkpoint(tmp, DEMO_CONFIG, seed=SEED))
+        llm = LLM(model_dir, dtype=args.dtype, device="cpu")
+        ref = transformers.MiMoV2FlashForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, args.dtype), attn_implementation="eager"
+        ).eval()
+        experts = ref.config._experts_implementation
+        print(
+            f"{args.dtype}, prompt {PROMPT_LEN}, new {NEW_TOKENS}, median of {REPEATS}, "
+            f"{NUM_THREADS} threads; transformers attn=eager experts={experts}"
+        )
+        print(f"{'batch':>5} {'phase':>7} {'ours tok/s':>11} {'hf tok/s':>11} {'ratio':>6}")
+        ratios = [r for b in BATCH_SIZES for r in _bench(b, llm, ref, llm.config.vocab_size)]
+    print(
+        f"summary: {args.dtype} ours/transformers prefill x{ratios[0]:.2f} (b1) "
+        f"x{ratios[2]:.2f} (b{BATCH_SIZES[-1]}), decode x{ratios[1]:.2f} (b1) "
+        f"x{ratios[3]:.2f} (b{BATCH_SIZES[-1]})"
+    )
+
+
+def _bench(batch: int, llm: LLM, ref: torch.nn.Module, vocab: int) -> list[float]:
+    """Prints the prefill and decode rows for one batch size; returns their ratios."""
+    gen = torch.Generator().manual_seed(SEED + batch)
+    prompts = torch.randint(0, vocab, (batch, PROMPT_LEN), generator=gen).tolist()
+    ours, theirs = _ours(llm), _theirs(ref)
+    for fn in (ours, theirs):
+        fn(prompts, 2)  # warm-up
+    times: dict[tuple[str, int], list[float]] = {}
+    outs: dict[str, list[list[int]]] = {}
+    for _ in range(REPEATS):
+        for n in (1, NEW_TOKENS):
+            for name, fn in (("ours", ours), ("hf", theirs)):
+                start = time.perf_counter()
+                outs[name] = fn(prompts, n)
+                times.setdefault((name, n), []).append(time.perf_counter() - start)
+    t = {k: statistics.median(v) for k, v in times.items()}
+    ratios = []
+    for phase, n_tokens, key in (
+        ("prefill", batch * PROMPT_LEN, lambda name: t[name, 1]),
+        ("decode", batch * (NEW_TOKENS - 1), lambda name: t[name, NEW_TOKENS] - t[name, 1]),
+    ):
+        a, b = n_tokens / key("ours"), n_tokens / key("hf")
+        ratios.append(a / b)
+        print(f"{batch:>5} {phase:>7} {a:>11.1f} {b:>11.1f} {a / b:>6.2f}")
+    same = outs["ours"] == outs["hf"]
+    print(f"{batch:>5} greedy tokens ({NEW_TOKENS} x {batch}): {'OK' if same else 'MISMATCH'}")
+    return ratios
+
+
+def _ours(llm: LLM) -> Generate:
+    def run(prompts: list[list[int]], n: int) -> list[list[int]]:
+        params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+        return [list(out.token_ids) for out in llm.generate(prompts, params)]
+
+    return run
+
+
+def _theirs(ref: torch.nn.Module) -> Generate:
+    @torch.inference_mode()
+    def run(prompts: list[list[int]], n: int) -> list[list[int]]:
+        ids = torch.tensor(prompts)  # equal lengths: no padding needed
+        out = ref.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        return out[:, ids.shape[1] :].tolist()
+
+    return run
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint dir (default: random DEMO_CONFIG weights)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    main()
