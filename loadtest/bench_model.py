@@ -28,7 +28,9 @@ NEW_TOKENS = 64
 BATCH_SIZES = (1, 8)
 REPEATS = 3
 SEED = 0
-NUM_THREADS = 2  # the same for both engines
+# NOTE: the same for both. One thread: on a shared 2-core box a second OpenMP thread stalls every
+# small op whenever another process holds the other core, which skews the many-op engine most.
+NUM_THREADS = 1
 
 Generate = Callable[[list[list[int]], int], list[list[int]]]
 
@@ -36,7 +38,7 @@ Generate = Callable[[list[list[int]], int], list[list[int]]]
 def main() -> None:
     args = _parse_args()
     torch.manual_seed(SEED)
-    torch.set_num_threads(NUM_THREADS)
+    torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as tmp:
@@ -48,7 +50,7 @@ def main() -> None:
         experts = ref.config._experts_implementation
         print(
             f"{args.dtype}, prompt {PROMPT_LEN}, new {NEW_TOKENS}, median of {REPEATS}, "
-            f"{NUM_THREADS} threads; transformers attn=eager experts={experts}"
+            f"{args.threads} threads; transformers attn=eager experts={experts}"
         )
         print(f"{'batch':>5} {'phase':>7} {'ours tok/s':>11} {'hf tok/s':>11} {'ratio':>6}")
         ratios = [r for b in BATCH_SIZES for r in _bench(b, llm, ref, llm.config.vocab_size)]
@@ -118,6 +120,7 @@ def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint dir (default: random DEMO_CONFIG weights)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--threads", type=int, default=NUM_THREADS)
     return parser.parse_args()
 
 
