@@ -173,8 +173,13 @@ class _Reader:
     def has(self, key: str) -> bool:
         return self.raw.get(key) is not None
 
+    def get(self, key: str, default: object) -> object:
+        """The value, or ``default`` when the key is absent or null (hub configs write nulls)."""
+        v = self.raw.get(key)
+        return default if v is None else v
+
     def int(self, key: str, default: int | None = None) -> int:
-        v = self.raw.get(key, default)
+        v = self.get(key, default)
         if v is None:
             raise ConfigError(f"config key {key!r} is required")
         _check(
@@ -183,7 +188,7 @@ class _Reader:
         return v
 
     def float(self, key: str, default: float | None = None) -> float:
-        v = self.raw.get(key, default)
+        v = self.get(key, default)
         if v is None:
             raise ConfigError(f"config key {key!r} is required")
         _check(
@@ -194,7 +199,7 @@ class _Reader:
         return float(v)
 
     def bool(self, key: str, default: bool) -> bool:
-        v = self.raw.get(key, default)
+        v = self.get(key, default)
         _check(isinstance(v, bool), key, f"must be true or false, got {v!r}")
         return v
 
@@ -302,6 +307,11 @@ def _layer_types(r: _Reader, n: int) -> tuple[str, ...]:
     if r.has("hybrid_layer_pattern"):
         pattern = r.list("hybrid_layer_pattern")
         _check(
+            len(pattern) == n,
+            "hybrid_layer_pattern",
+            f"has {len(pattern)} entries for num_hidden_layers={n}",
+        )
+        _check(
             all(p in (0, 1) for p in pattern),
             "hybrid_layer_pattern",
             f"values must be 0 (full) or 1 (sliding window), got {sorted(set(pattern))}",
@@ -316,6 +326,9 @@ def _mlp_layer_types(r: _Reader, n: int) -> tuple[str, ...]:
         return tuple(r.list("mlp_layer_types"))
     freq = r.raw.get("moe_layer_freq")
     if isinstance(freq, list):
+        _check(
+            len(freq) == n, "moe_layer_freq", f"has {len(freq)} entries for num_hidden_layers={n}"
+        )
         _check(
             all(f in (0, 1, True, False) for f in freq),
             "moe_layer_freq",
@@ -342,25 +355,33 @@ def _sliding_window(r: _Reader, needed: bool) -> int:
 def _rope(r: _Reader) -> tuple[float, float, float, float]:
     params = r.raw.get("rope_parameters")
     if isinstance(params, dict) and (FULL in params or SWA in params):
-        full = _rope_entry(params.get(FULL) or {}, FULL)
-        swa = _rope_entry(params.get(SWA) or {}, SWA)
+        full = _rope_entry(params.get(FULL) or {}, f"rope_parameters.{FULL}")
+        swa = _rope_entry(params.get(SWA) or {}, f"rope_parameters.{SWA}")
         return full[0], swa[0], full[1], swa[1]
+    if params is not None:  # one flat entry for every layer kind
+        _check(isinstance(params, dict), "rope_parameters", f"must be an object, got {params!r}")
+        defaults = {
+            "rope_theta": r.float("rope_theta", 10000.0),
+            "partial_rotary_factor": r.float("partial_rotary_factor", 1.0),
+        }
+        theta, prf = _rope_entry({**defaults, **params}, "rope_parameters")
+        return theta, r.float("swa_rope_theta", theta), prf, prf
     theta = r.float("rope_theta", 10000.0)
     prf = r.float("partial_rotary_factor", 1.0)
     return theta, r.float("swa_rope_theta", theta), prf, r.float("swa_partial_rotary_factor", prf)
 
 
-def _rope_entry(p: dict[str, Any], kind: str) -> tuple[float, float]:
+def _rope_entry(p: dict[str, Any], key: str) -> tuple[float, float]:
     rope_type = p.get("rope_type", "default")
     _check(
         rope_type == "default",
-        f"rope_parameters.{kind}.rope_type",
+        f"{key}.rope_type",
         f"{rope_type!r} is not supported (only 'default')",
     )
     theta = p.get("rope_theta")
     _check(
         isinstance(theta, (int, float)) and theta > 0,
-        f"rope_parameters.{kind}.rope_theta",
+        f"{key}.rope_theta",
         f"must be a positive number, got {theta!r}",
     )
     return float(theta), float(p.get("partial_rotary_factor", 0.334))

@@ -5,7 +5,7 @@ NEW_TOKENS new tokens minus that prefill time, BATCH * (NEW_TOKENS - 1) tokens. 
 alternate (A B A B ...) so machine drift hits both alike; each cell is the median of REPEATS.
 The same run checks that both pick identical greedy tokens.
 
-    python loadtest/bench_model.py [--model DIR] [--dtype bfloat16]
+    python loadtest/bench_model.py [--model DIR] [--dtype bfloat16] [--experts eager]
 """
 
 from __future__ import annotations
@@ -45,49 +45,50 @@ def main() -> None:
         model_dir = Path(args.model or write_random_checkpoint(tmp, DEMO_CONFIG, seed=SEED))
         llm = LLM(model_dir, dtype=args.dtype, device="cpu")
         ref = transformers.MiMoV2FlashForCausalLM.from_pretrained(
-            model_dir, dtype=getattr(torch, args.dtype), attn_implementation="eager"
+            model_dir,
+            dtype=getattr(torch, args.dtype),
+            attn_implementation="eager",
+            experts_implementation=args.experts,  # None: transformers' default
         ).eval()
-        experts = ref.config._experts_implementation
         print(
             f"{args.dtype}, prompt {PROMPT_LEN}, new {NEW_TOKENS}, median of {REPEATS}, "
-            f"{args.threads} threads; transformers attn=eager experts={experts}"
+            f"{args.threads} thread(s); transformers attn=eager "
+            f"experts={ref.config._experts_implementation}"
         )
         print(f"{'batch':>5} {'phase':>7} {'ours tok/s':>11} {'hf tok/s':>11} {'ratio':>6}")
-        ratios = [r for b in BATCH_SIZES for r in _bench(b, llm, ref, llm.config.vocab_size)]
-    print(
-        f"summary: {args.dtype} ours/transformers prefill x{ratios[0]:.2f} (b1) "
-        f"x{ratios[2]:.2f} (b{BATCH_SIZES[-1]}), decode x{ratios[1]:.2f} (b1) "
-        f"x{ratios[3]:.2f} (b{BATCH_SIZES[-1]})"
-    )
+        cells = [cell for b in BATCH_SIZES for cell in _bench(b, llm, ref)]
+    print(f"summary: {args.dtype} ours/transformers tok/s " + ", ".join(cells))
 
 
-def _bench(batch: int, llm: LLM, ref: torch.nn.Module, vocab: int) -> list[float]:
-    """Prints the prefill and decode rows for one batch size; returns their ratios."""
+def _bench(batch: int, llm: LLM, ref: transformers.MiMoV2FlashForCausalLM) -> list[str]:
+    """Prints the prefill and decode rows for one batch size; returns summary cells."""
     gen = torch.Generator().manual_seed(SEED + batch)
-    prompts = torch.randint(0, vocab, (batch, PROMPT_LEN), generator=gen).tolist()
-    ours, theirs = _ours(llm), _theirs(ref)
-    for fn in (ours, theirs):
+    prompts = torch.randint(0, llm.config.vocab_size, (batch, PROMPT_LEN), generator=gen).tolist()
+    runs = {"ours": _ours(llm), "hf": _theirs(ref)}
+    for fn in runs.values():
         fn(prompts, 2)  # warm-up
     times: dict[tuple[str, int], list[float]] = {}
     outs: dict[str, list[list[int]]] = {}
     for _ in range(REPEATS):
         for n in (1, NEW_TOKENS):
-            for name, fn in (("ours", ours), ("hf", theirs)):
+            for name, fn in runs.items():  # interleaved: ours, hf, ours, hf, ...
                 start = time.perf_counter()
                 outs[name] = fn(prompts, n)
                 times.setdefault((name, n), []).append(time.perf_counter() - start)
     t = {k: statistics.median(v) for k, v in times.items()}
-    ratios = []
-    for phase, n_tokens, key in (
-        ("prefill", batch * PROMPT_LEN, lambda name: t[name, 1]),
-        ("decode", batch * (NEW_TOKENS - 1), lambda name: t[name, NEW_TOKENS] - t[name, 1]),
+    cells = []
+    for phase, num_tokens, secs in (
+        ("prefill", batch * PROMPT_LEN, {k: t[k, 1] for k in runs}),
+        ("decode", batch * (NEW_TOKENS - 1), {k: t[k, NEW_TOKENS] - t[k, 1] for k in runs}),
     ):
-        a, b = n_tokens / key("ours"), n_tokens / key("hf")
-        ratios.append(a / b)
+        a, b = num_tokens / secs["ours"], num_tokens / secs["hf"]
         print(f"{batch:>5} {phase:>7} {a:>11.1f} {b:>11.1f} {a / b:>6.2f}")
-    same = outs["ours"] == outs["hf"]
-    print(f"{batch:>5} greedy tokens ({NEW_TOKENS} x {batch}): {'OK' if same else 'MISMATCH'}")
-    return ratios
+        cells.append(f"{phase} b{batch} x{a / b:.2f}")
+    diverge = [_first_diff(o, h) for o, h in zip(outs["ours"], outs["hf"])]
+    bad = [i for i in diverge if i is not None]
+    verdict = f"MISMATCH in {len(bad)} request(s), first at token {min(bad)}" if bad else "OK"
+    print(f"{batch:>5} greedy tokens ({batch} x {NEW_TOKENS}): {verdict}")
+    return [*cells, f"greedy b{batch} {'OK' if not bad else 'MISMATCH'}"]
 
 
 def _ours(llm: LLM) -> Generate:
@@ -98,7 +99,7 @@ def _ours(llm: LLM) -> Generate:
     return run
 
 
-def _theirs(ref: torch.nn.Module) -> Generate:
+def _theirs(ref: transformers.MiMoV2FlashForCausalLM) -> Generate:
     @torch.inference_mode()
     def run(prompts: list[list[int]], n: int) -> list[list[int]]:
         ids = torch.tensor(prompts)  # equal lengths: no padding needed
@@ -116,11 +117,16 @@ def _theirs(ref: torch.nn.Module) -> Generate:
     return run
 
 
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
 def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint dir (default: random DEMO_CONFIG weights)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, default=NUM_THREADS)
+    parser.add_argument("--experts", help="transformers experts_implementation, e.g. eager")
     return parser.parse_args()
 
 

@@ -259,13 +259,6 @@ def test_flash_hub_config_geometry() -> None:
     assert kv == (4 * 320, 8 * 320), f"K+V elements per token (full, swa) = {kv}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ConfigError,
-    reason="engine bug: _Reader.int/float/bool apply the default only to an absent key, not to "
-    "a null one; the MiMo-V2-Flash hub config.json stores routed_scaling_factor: null "
-    "(transformers reads it as 1.0)",
-)
 def test_flash_hub_null_routed_scaling_factor_means_one() -> None:
     cfg = ModelConfig.from_dict(_make_flash_hub_config(routed_scaling_factor=None))
     assert cfg.routed_scaling_factor == 1.0, f"got {cfg.routed_scaling_factor}"
@@ -401,12 +394,12 @@ class Bad:
     id: str
     key: str  # the key the error message must name
     kwargs: dict[str, Any] = field(default_factory=dict)  # to mimo_config
-    set: dict[str, Any] = field(default_factory=dict)  # then applied to the dict; _DROP deletes
+    edits: dict[str, Any] = field(default_factory=dict)  # then applied; _DROP deletes the key
 
 
 def _make_bad_config(bad: Bad) -> dict[str, Any]:
     raw = mimo_config(**bad.kwargs)
-    for k, v in bad.set.items():
+    for k, v in bad.edits.items():
         if v is _DROP:
             del raw[k]
         else:
@@ -416,24 +409,34 @@ def _make_bad_config(bad: Bad) -> dict[str, Any]:
 
 _YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6, "partial_rotary_factor": 0.5}
 _BAD = [
-    Bad("gelu", "hidden_act", set={"hidden_act": "gelu"}),
+    Bad("gelu", "hidden_act", edits={"hidden_act": "gelu"}),
     Bad(
         "rope-parameters-yarn",
         "rope_type",
-        set={"rope_parameters": {FULL: _YARN, SWA: {**_YARN, "rope_type": "default"}}},
+        edits={"rope_parameters": {FULL: _YARN, SWA: {**_YARN, "rope_type": "default"}}},
     ),
-    Bad("rope-scaling-yarn", "rope_scaling", set={"rope_scaling": {"type": "yarn"}}),
-    Bad("quantized", "quantization_config", set={"quantization_config": {"quant_method": "fp8"}}),
+    Bad("rope-scaling-yarn", "rope_scaling", edits={"rope_scaling": {"type": "yarn"}}),
+    Bad("quantized", "quantization_config", edits={"quantization_config": {"quant_method": "fp8"}}),
     Bad(
         "pattern-value-2",
         "hybrid_layer_pattern",
-        set={"layer_types": _DROP, "hybrid_layer_pattern": [0, 1, 2, 1, 1, 0]},
+        edits={"layer_types": _DROP, "hybrid_layer_pattern": [0, 1, 2, 1, 1, 0]},
     ),
-    Bad("layer-types-length", "layer_types", set={"layer_types": [FULL, SWA, SWA]}),
+    Bad("layer-types-length", "layer_types", edits={"layer_types": [FULL, SWA, SWA]}),
+    Bad(
+        "pattern-length",
+        "hybrid_layer_pattern",
+        edits={"layer_types": _DROP, "hybrid_layer_pattern": [0, 1, 0]},
+    ),
+    Bad(
+        "moe-freq-length",
+        "moe_layer_freq",
+        edits={"mlp_layer_types": _DROP, "moe_layer_freq": [0, 1]},
+    ),
     Bad(
         "mlp-type-unknown",
         "mlp_layer_types",
-        set={"mlp_layer_types": [DENSE, SPARSE, "moe", SPARSE, SPARSE, SPARSE]},
+        edits={"mlp_layer_types": [DENSE, SPARSE, "moe", SPARSE, SPARSE, SPARSE]},
     ),
     Bad("n-group-not-dividing", "n_group", kwargs=dict(n_routed_experts=8, n_group=3)),
     Bad("topk-group-over-n-group", "topk_group", kwargs=dict(n_group=2, topk_group=3)),
@@ -447,23 +450,23 @@ _BAD = [
         "kv-heads-not-dividing",
         "num_key_value_heads",
         kwargs=dict(num_attention_heads=4),
-        set={"num_key_value_heads": 3},
+        edits={"num_key_value_heads": 3},
     ),
-    Bad("vocab-missing", "vocab_size", set={"vocab_size": _DROP}),
-    Bad("vocab-string", "vocab_size", set={"vocab_size": "320"}),
-    Bad("shared-experts", "n_shared_experts", set={"n_shared_experts": 1}),
-    Bad("softmax-router", "scoring_func", set={"scoring_func": "softmax"}),
-    Bad("llama", "model_type", set={"model_type": "llama"}),
+    Bad("vocab-missing", "vocab_size", edits={"vocab_size": _DROP}),
+    Bad("vocab-string", "vocab_size", edits={"vocab_size": "320"}),
+    Bad("shared-experts", "n_shared_experts", edits={"n_shared_experts": 1}),
+    Bad("softmax-router", "scoring_func", edits={"scoring_func": "softmax"}),
+    Bad("llama", "model_type", edits={"model_type": "llama"}),
     Bad("rotary-factor-0", "partial_rotary_factor", kwargs=dict(partial_rotary_factor=0)),
     Bad(
         "hub-rotary-factor-0",
         "partial_rotary_factor",
-        set={"rope_parameters": _DROP, "partial_rotary_factor": 0},
+        edits={"rope_parameters": _DROP, "partial_rotary_factor": 0},
     ),
     Bad(
         "swa-without-window",
         "sliding_window",
-        set={"sliding_window": _DROP, "sliding_window_size": _DROP},
+        edits={"sliding_window": _DROP, "sliding_window_size": _DROP},
     ),
 ]
 
@@ -476,11 +479,6 @@ def test_unsupported_or_malformed_value_is_named(bad: Bad) -> None:
     _assert_names_key(err, bad.key)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: _rope only reads rope_parameters keyed by layer type; a flat "
-    "rope_parameters dict (rope_type 'yarn') is silently ignored and plain RoPE is used",
-)
 def test_flat_rope_parameters_yarn_is_rejected() -> None:
     raw = mimo_config()
     raw["rope_parameters"] = dict(_YARN)
