@@ -10,8 +10,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.config import ConfigError, ModelConfig
     from engine.llm import LLM, RequestOutput
+    from engine.model_config import ConfigError, ModelConfig
     from engine.models.loader import CheckpointError
     from engine.sampling_params import SamplingParams
 
@@ -28,8 +28,8 @@ _LAZY = {
     "LLM": "engine.llm",
     "RequestOutput": "engine.llm",
     "SamplingParams": "engine.sampling_params",
-    "ModelConfig": "engine.config",
-    "ConfigError": "engine.config",
+    "ModelConfig": "engine.model_config",
+    "ConfigError": "engine.model_config",
     "CheckpointError": "engine.models.loader",
 }
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
 from engine.kv import ContiguousBatch, SequenceKV
+from engine.model_config import ModelConfig
 from engine.models.loader import load_model
 from engine.sampler import Sampler, make_generator
 from engine.sampling_params import SamplingParams

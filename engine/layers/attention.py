@@ -13,8 +13,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from engine.config import SWA, ModelConfig
 from engine.layers.rotary import apply_rotary
+from engine.model_config import SWA, ModelConfig
 
 
 @dataclass(frozen=True, slots=True, eq=False)

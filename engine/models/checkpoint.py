@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.models.mimo_v2 import MiMoV2ForCausalLM
 
 _KEEP_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")

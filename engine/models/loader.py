@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
 from engine.layers.moe import Router
+from engine.model_config import ModelConfig
 from engine.models.mimo_v2 import MiMoV2ForCausalLM
 
 _IGNORED = re.compile(r"^model\.mtp\.|rotary_emb\.inv_freq$")

@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import FULL, SPARSE, SWA, ModelConfig
 from engine.layers.attention import Attention, KVContext
 from engine.layers.mlp import MLP
 from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.model_config import FULL, SPARSE, SWA, ModelConfig
 
 
 class DecoderLayer(nn.Module):

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.config import DENSE, FULL, SPARSE, SWA, ConfigError, ModelConfig
 from engine.llm import LLM
+from engine.model_config import DENSE, FULL, SPARSE, SWA, ConfigError, ModelConfig
 from engine.models.checkpoint import mimo_config, write_random_checkpoint
 from engine.models.loader import load_model
 from engine.sampling_params import SamplingParams
