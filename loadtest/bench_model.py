@@ -122,7 +122,7 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 
 
 def _parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="engine.LLM vs transformers tok/s")
     parser.add_argument("--model", help="checkpoint dir (default: random DEMO_CONFIG weights)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, default=NUM_THREADS)

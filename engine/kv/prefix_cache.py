@@ -1,0 +1,424 @@
+"""SWA-aware prefix cache: a radix tree of pages, keyed by chained page hashes.
+
+Every cached page keeps its full-attention KV. Its SWA KV may be dropped ("tombstone") while the
+full KV stays: SWA is only needed for the W tokens before a point where a later request resumes.
+
+Window-safe match (DESIGN.md invariant 4): a cached prefix is usable up to the deepest page end
+p where full KV covers [0, p) and live SWA covers [p - W, p):
+
+    pages     0    1    2    3    4    5    6        (page = 4 tokens, W = 8 -> k = 2 pages)
+    full      x    x    x    x    x    x    x        raw match = 7 pages
+    SWA       x    -    -    x    x    -    x
+    usable?   y    n    n    n    y    n    n        usable = 5 pages (20 tokens), cut = 8
+
+Retention (DESIGN.md invariant 3) is adaptive. SWA pages are "history" unless they belong to a
+checkpoint (the k = ceil(W / page) pages before a marked resume point: a prompt end, an output end,
+an observed branch point). Eviction frees, in order: history SWA (LRU), then the least recently
+used of {checkpoint demotion, leaf deletion}; retained checkpoints (TTL hints) go last. So while
+memory is plentiful every page keeps its SWA and hits land anywhere; under pressure the cache
+degrades to checkpoints.
+
+Ownership: once a page is in the tree, the tree owns it. Running requests pin what they use:
+``full_refs`` on their deepest node (ancestors are pinned by having children) and ``swa_refs`` on
+the nodes inside their window. Only unpinned pages are ever freed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from engine.kv.allocator import PageAllocator
+from engine.kv.layout import PageKind
+from engine.utils import cdiv
+
+
+class Node:
+    """One cached page. ``swa_page is None`` means its SWA KV was dropped (tombstone)."""
+
+    __slots__ = (
+        "page_hash", "parent", "depth", "full_page", "swa_page", "num_children", "token_ids",
+        "full_refs", "swa_refs", "ckpt_refs", "is_ckpt_end", "retain_until",
+        "access", "swa_access", "alive",
+    )
+
+    def __init__(self, page_hash: int, parent: Node | None, full_page: int,
+                 swa_page: int | None, token_ids: tuple[int, ...] | None) -> None:
+        self.page_hash, self.parent = page_hash, parent
+        self.depth = 0 if parent is None else parent.depth + 1
+        self.full_page, self.swa_page, self.token_ids = full_page, swa_page, token_ids
+        self.num_children = 0
+        self.full_refs = self.swa_refs = self.ckpt_refs = 0
+        self.is_ckpt_end = False
+        self.retain_until = 0.0
+        self.access = self.swa_access = 0
+        self.alive = True
+
+    def ancestors(self, n: int) -> Iterator[Node]:
+        """This node and up to n - 1 parents, deepest first."""
+        node: Node | None = self
+        for _ in range(n):
+            if node is None:
+                return
+            yield node
+            node = node.parent
+
+    def __repr__(self) -> str:
+        return (f"Node(depth={self.depth}, full={self.full_page}, swa={self.swa_page}, "
+                f"refs={self.full_refs}/{self.swa_refs}, ckpt={self.ckpt_refs})")
+
+
+class MatchResult(NamedTuple):
+    nodes: list[Node]  # the usable path, root side first (len = usable pages)
+    usable_tokens: int
+    raw_tokens: int  # full KV present for this many tokens
+    branch_node: Node | None  # node at the raw match end: an observed branch point
+
+    @property
+    def cut_tokens(self) -> int:
+        """Tokens with full KV cached that the window made unusable."""
+        return self.raw_tokens - self.usable_tokens
+
+
+class CacheEvent(NamedTuple):
+    kind: str  # "stored" | "removed" | "ckpt_stored" | "ckpt_dropped" | "cleared"
+    page_hash: int | None = None
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+@dataclass
+class CacheStats:
+    match_calls: int = 0
+    matched_tokens: int = 0  # usable
+    raw_matched_tokens: int = 0
+    cut_tokens: int = 0  # raw - usable, summed: what the window cut off
+    evicted_full_pages: int = 0
+    evicted_swa_pages: int = 0
+    dropped_checkpoints: int = 0
+
+
+@dataclass
+class PrefixCache:
+    """See the module docstring.
+
+    Args:
+        allocator: where the pages come from and go back to (its layout gives the page size and
+            W, the previous tokens an SWA query sees).
+        enabled: False keeps nothing once released (and never matches): the "cache off" mode.
+        on_event: called with each ``CacheEvent`` (KV events for routers).
+        clock: seconds, for retention TTLs.
+    """
+
+    allocator: PageAllocator
+    enabled: bool = True
+    on_event: Callable[[CacheEvent], None] | None = None
+    clock: Callable[[], float] = time.monotonic
+    stats: CacheStats = field(default_factory=CacheStats)
+
+    def __post_init__(self) -> None:
+        self._index: dict[int, Node] = {}
+        self._tick = itertools.count(1)
+        self._seq = itertools.count()
+        self._swa_heap: list[tuple[int, int, Node]] = []  # history SWA, by swa_access
+        self._leaf_heap: list[tuple[int, int, Node]] = []  # deletable leaves, by access
+        self._ckpt_heap: list[tuple[int, int, Node]] = []  # checkpoint ends, by swa_access
+        layout = self.allocator.layout
+        self.page_size, self.window = layout.page_size, layout.window
+        self.has_swa = layout.page_bytes(PageKind.SWA) > 0
+
+    # ---------------------------------------------------------------- queries
+
+    @property
+    def window_pages(self) -> int:
+        """k = ceil(W / page): the pages of SWA a resume point needs."""
+        return cdiv(self.window, self.page_size) if self.has_swa else 0
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self._index)
+
+    def nodes(self) -> list[Node]:
+        return list(self._index.values())
+
+    def lookup(self, page_hash: int) -> Node | None:
+        return self._index.get(page_hash)
+
+    def match(self, page_hashes: Sequence[int], max_tokens: int,
+              token_ids: Sequence[int] | None = None) -> MatchResult:
+        """Longest window-safe cached prefix of at most ``max_tokens`` tokens (no locks taken).
+
+        ``token_ids``, when given, are checked against the cached pages' tokens (a hash collision
+        then counts as a miss).
+        """
+        k, p = self.window_pages, self.page_size
+        path: list[Node] = []
+        run = usable = 0
+        for i, h in enumerate(page_hashes[: max_tokens // p]):
+            node = self._index.get(h)
+            if node is None or (token_ids is not None and node.token_ids is not None
+                                and tuple(token_ids[i * p : (i + 1) * p]) != node.token_ids):
+                break
+            path.append(node)
+            run = run + 1 if (node.swa_page is not None or not self.has_swa) else 0
+            if run >= min(k, i + 1):
+                usable = i + 1
+        self._touch(path, usable)
+        raw_tokens, usable_tokens = len(path) * p, usable * p
+        st = self.stats
+        st.match_calls += 1
+        st.matched_tokens += usable_tokens
+        st.raw_matched_tokens += raw_tokens
+        st.cut_tokens += raw_tokens - usable_tokens
+        return MatchResult(path[:usable], usable_tokens, raw_tokens, path[-1] if path else None)
+
+    # ---------------------------------------------------------------- mutations
+
+    def insert(self, parent: Node | None, page_hash: int, full_page: int, swa_page: int | None,
+               token_ids: tuple[int, ...] | None = None) -> Node:
+        """Add one page under ``parent`` and pin it for the caller (``full_refs`` and, with an SWA
+        page, ``swa_refs``); returns the node now in the tree.
+
+        The tree takes ownership of the given pages. If the page is already cached, the given
+        duplicates are freed, except that a given SWA page revives a tombstone.
+        """
+        node = self._index.get(page_hash) if self.enabled else None
+        if node is not None:
+            assert node.parent is parent, f"page hash {page_hash} cached under another parent"
+            self.allocator.free(PageKind.FULL, [full_page])
+            if swa_page is not None and node.swa_page is None:
+                node.swa_page = swa_page
+            elif swa_page is not None:
+                self.allocator.free(PageKind.SWA, [swa_page])
+        else:
+            node = Node(page_hash, parent, full_page, swa_page, token_ids)
+            if parent is not None:
+                parent.num_children += 1
+            if self.enabled:
+                self._index[page_hash] = node
+                self._emit("stored", node)
+        node.full_refs += 1
+        if swa_page is not None:
+            node.swa_refs += 1
+        node.access = node.swa_access = next(self._tick)
+        self._offer(node)
+        return node
+
+    def pin(self, node: Node, *, full: bool, swa: bool) -> None:
+        assert node.alive, f"pinning a freed page: {node}"
+        if full:
+            node.full_refs += 1
+        if swa:
+            assert node.swa_page is not None, f"pinning the SWA of a tombstone: {node}"
+            node.swa_refs += 1
+
+    def unpin(self, node: Node, *, full: bool, swa: bool) -> None:
+        """Drop a pin; what is no longer pinned becomes evictable (or is freed when disabled)."""
+        if full:
+            assert node.full_refs > 0, f"unbalanced full unpin: {node}"
+            node.full_refs -= 1
+        if swa:
+            assert node.swa_refs > 0, f"unbalanced SWA unpin: {node}"
+            node.swa_refs -= 1
+        if not self.enabled:
+            self._drop_unpinned(node)
+            return
+        self._offer(node)
+
+    def mark_checkpoint(self, node: Node, retain_ttl_s: float | None = None) -> bool:
+        """Make ``node``'s end a resume point: keep SWA for the k pages ending at it.
+
+        ``retain_ttl_s`` protects it from eviction for that long (sessions paused in a tool call).
+        Returns False (and marks nothing) when the window before it is not all live.
+
+        NOTE (invariant): every checkpoint's k pages keep live SWA until it is dropped.
+        """
+        if not self.enabled or not node.alive or not self._window_live(node):
+            return False
+        if retain_ttl_s is not None:
+            node.retain_until = max(node.retain_until, self.clock() + retain_ttl_s)
+        if node.is_ckpt_end:
+            return True
+        node.is_ckpt_end = True
+        for n in node.ancestors(self.window_pages):
+            n.ckpt_refs += 1
+        node.swa_access = next(self._tick)
+        self._push(self._ckpt_heap, node.swa_access, node)
+        self._emit("ckpt_stored", node)
+        return True
+
+    def evict(self, num_full: int, num_swa: int) -> bool:
+        """Free cached pages until the allocator can hand out this many pages of each kind.
+
+        Returns whether it can now. Never touches a pinned page.
+        """
+        while not self.allocator.can_allocate(num_full, num_swa):
+            if not self._evict_one():
+                return False
+        return True
+
+    def flush(self) -> int:
+        """Free every unpinned cached page; returns the number of nodes removed."""
+        before = len(self._index)
+        while self._evict_one(ignore_retention=True):
+            pass
+        if self.enabled:
+            self._emit("cleared", None)
+        return before - len(self._index)
+
+    # ---------------------------------------------------------------- eviction internals
+
+    def _evict_one(self, ignore_retention: bool = False) -> bool:
+        node = self._pop(self._swa_heap, lambda n: n.swa_access, self._is_history)
+        if node is not None:
+            self._drop_swa(node)
+            return True
+        now = self.clock()
+        retained: list[tuple[list[tuple[int, int, Node]], tuple[int, int, Node]]] = []
+        try:
+            while True:
+                leaf = self._peek(self._leaf_heap, lambda n: n.access, self._is_deletable)
+                ckpt = self._peek(self._ckpt_heap, lambda n: n.swa_access, self._is_ckpt)
+                if leaf is None and ckpt is None:
+                    return False
+                use_leaf = ckpt is None or (leaf is not None and leaf[0] <= ckpt[0])
+                heap = self._leaf_heap if use_leaf else self._ckpt_heap
+                entry = heapq.heappop(heap)
+                victim = entry[2]
+                if victim.retain_until > now and not ignore_retention:
+                    retained.append((heap, entry))  # TTL hint: skip it for now
+                    continue
+                if use_leaf:
+                    self._delete_leaf(victim)
+                else:
+                    self._drop_checkpoint(victim)
+                return True
+        finally:
+            for heap, entry in retained:
+                heapq.heappush(heap, entry)
+
+    def _drop_swa(self, node: Node) -> None:
+        """Tombstone a history page (no checkpoint needs it, nobody pins it)."""
+        assert node.swa_page is not None and node.swa_refs == 0 and node.ckpt_refs == 0, node
+        self.allocator.free(PageKind.SWA, [node.swa_page])
+        node.swa_page = None
+        self.stats.evicted_swa_pages += 1
+        if node.num_children == 0 and node.full_refs == 0:
+            self._delete_leaf(node)
+
+    def _drop_checkpoint(self, end: Node) -> None:
+        if not end.is_ckpt_end:
+            return
+        end.is_ckpt_end = False
+        end.retain_until = 0.0
+        for n in end.ancestors(self.window_pages):
+            n.ckpt_refs -= 1
+            self._offer(n)
+        self.stats.dropped_checkpoints += 1
+        if end.alive:
+            self._emit("ckpt_dropped", end)
+
+    def _delete_leaf(self, node: Node) -> None:
+        """Delete an unpinned leaf, then parents that became useless (tombstone leaves)."""
+        while node is not None:
+            assert node.num_children == 0 and node.full_refs == 0 and node.swa_refs == 0, node
+            self._drop_checkpoint(node)  # a leaf's only covering checkpoint ends at itself
+            assert node.ckpt_refs == 0, node
+            if node.swa_page is not None:
+                self.allocator.free(PageKind.SWA, [node.swa_page])
+                self.stats.evicted_swa_pages += 1
+            self.allocator.free(PageKind.FULL, [node.full_page])
+            self.stats.evicted_full_pages += 1
+            node.alive = False
+            if self._index.get(node.page_hash) is node:
+                del self._index[node.page_hash]
+                self._emit("removed", node)
+            parent = node.parent
+            if parent is None:
+                return
+            parent.num_children -= 1
+            if parent.num_children or parent.full_refs or parent.swa_refs:
+                return
+            if parent.swa_page is not None and self.enabled:
+                self._offer(parent)  # a leaf again: evictable by LRU
+                return
+            node = parent  # a tombstone leaf (or cache off): useless, delete it too
+
+    def _drop_unpinned(self, node: Node) -> None:
+        """Cache off: free what nobody pins any more, right away."""
+        if node.swa_page is not None and node.swa_refs == 0:
+            self.allocator.free(PageKind.SWA, [node.swa_page])
+            node.swa_page = None
+        if node.alive and node.num_children == 0 and node.full_refs == 0 and node.swa_refs == 0:
+            self._delete_leaf(node)
+
+    # ---------------------------------------------------------------- classification / LRU
+
+    def _is_history(self, n: Node) -> bool:
+        return n.alive and n.swa_page is not None and n.swa_refs == 0 and n.ckpt_refs == 0
+
+    def _is_deletable(self, n: Node) -> bool:
+        return n.alive and n.num_children == 0 and n.full_refs == 0 and n.swa_refs == 0
+
+    def _is_ckpt(self, n: Node) -> bool:
+        return n.alive and n.is_ckpt_end and all(
+            a.swa_refs == 0 for a in n.ancestors(self.window_pages)
+        )
+
+    def _window_live(self, end: Node) -> bool:
+        return all(a.swa_page is not None for a in end.ancestors(self.window_pages))
+
+    def _offer(self, n: Node) -> None:
+        if self._is_history(n):
+            self._push(self._swa_heap, n.swa_access, n)
+        if self._is_deletable(n):
+            self._push(self._leaf_heap, n.access, n)
+
+    def _touch(self, path: list[Node], usable: int) -> None:
+        if not path:
+            return
+        tick = next(self._tick)
+        for n in path:
+            n.access = tick
+        self._offer(path[-1])
+        if usable:
+            end = path[usable - 1]
+            for n in end.ancestors(self.window_pages):
+                n.swa_access = tick
+                self._offer(n)
+            if end.is_ckpt_end:
+                self._push(self._ckpt_heap, tick, end)
+
+    def _push(self, heap: list[tuple[int, int, Node]], key: int, n: Node) -> None:
+        heapq.heappush(heap, (key, next(self._seq), n))
+
+    def _peek(self, heap: list[tuple[int, int, Node]], key: Callable[[Node], int],
+              valid: Callable[[Node], bool]) -> tuple[int, int, Node] | None:
+        while heap:
+            k, _, n = heap[0]
+            if k == key(n) and valid(n):
+                return heap[0]
+            heapq.heappop(heap)  # stale entry
+        return None
+
+    def _pop(self, heap: list[tuple[int, int, Node]], key: Callable[[Node], int],
+             valid: Callable[[Node], bool]) -> Node | None:
+        entry = self._peek(heap, key, valid)
+        if entry is None:
+            return None
+        heapq.heappop(heap)
+        return entry[2]
+
+    def _emit(self, kind: str, node: Node | None) -> None:
+        if self.on_event is None:
+            return
+        if node is None:
+            self.on_event(CacheEvent(kind))
+            return
+        parent = node.parent.page_hash if node.parent is not None else None
+        tokens = node.token_ids if kind == "stored" else None
+        self.on_event(CacheEvent(kind, node.page_hash, parent, tokens))

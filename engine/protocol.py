@@ -1,0 +1,251 @@
+"""Gateway <-> worker messages: two tagged unions of msgspec Structs, msgpack on the wire.
+
+The gateway sends ``ClientMsg``; the worker answers with ``WorkerMsg``. A connection opens with
+``Hello`` -> ``Welcome`` (the worker refuses a different ``PROTOCOL_VERSION`` with
+``ErrorReply(code="version_mismatch")``). A ``Generate`` streams ``TokenDelta``s and ends with one
+``Finished`` or one ``ErrorReply`` carrying its ``request_id``. Requests carry token ids (the
+gateway tokenizes); replies carry token ids (the gateway detokenizes).
+
+Each direction has one decoder. Anything that does not decode (garbage bytes, an unknown tag, a
+missing or mistyped field) raises ``ProtocolError``, which the worker answers with
+``ErrorReply(code="bad_message")`` and keeps serving. This module must not import torch: the
+gateway imports it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+import msgspec
+
+if TYPE_CHECKING:
+    from engine.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+ErrorCode = Literal[
+    "bad_message",  # the bytes did not decode as a message of this protocol
+    "version_mismatch",  # Hello.version != PROTOCOL_VERSION
+    "invalid_request",  # decoded, but a value is out of range (sampling, empty prompt, ...)
+    "context_too_long",  # prompt + max_new_tokens exceeds Welcome.max_context
+    "overloaded",  # the worker cannot queue more requests now; retry elsewhere or later
+    "duplicate_request",  # a request with this request_id is still running
+    "internal",  # a bug or an engine failure; the request is gone
+]
+
+
+class ProtocolError(ValueError):
+    """Bytes that are not a valid message of this protocol (the worker replies "bad_message")."""
+
+
+class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Wire form of ``engine.sampling_params.SamplingParams`` (same fields, same defaults).
+
+    Only types are checked when decoding; ranges are checked by ``to_params()``.
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def to_params(self) -> SamplingParams:
+        """The validated engine-side parameters.
+
+        Raises:
+            ValueError: naming the field and its allowed range (from ``SamplingParams``).
+        """
+        # NOTE: imported here so that `import engine.protocol` stays light; sampling_params itself
+        # does not import torch either, but the gateway has no use for it.
+        from engine.sampling_params import SamplingParams
+
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
+        )
+
+
+# --- gateway -> worker -----------------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
+    """First message on a connection; the worker answers ``Welcome`` or a version error."""
+
+    version: int
+    client_id: str
+
+
+class Generate(msgspec.Struct, tag="generate", frozen=True, kw_only=True):
+    """Start one request.
+
+    Attributes:
+        request_id: unique among the client's running requests; every reply carries it.
+        input_ids: the prompt's token ids (non-empty).
+        sampling: how to pick tokens.
+        session_id: the agent session this turn belongs to (scheduling and retention hints).
+        cache_salt: tenant namespace of the prefix cache; requests with different salts never
+            share cached KV (see ``engine.hashing``).
+        priority: larger runs first; equal priorities are first come, first served.
+        retain_ttl_s: keep this request's tail SWA checkpoint at least this long after it
+            finishes (a session paused in a tool call); None uses the cache's own policy.
+    """
+
+    request_id: str
+    input_ids: list[int]
+    sampling: SamplingSpec
+    session_id: str | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    retain_ttl_s: float | None = None
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True, kw_only=True):
+    """Stop a request; it ends with ``Finished(finish_reason="abort")`` unless already done."""
+
+    request_id: str
+
+
+class GetLoad(msgspec.Struct, tag="get_load", frozen=True, kw_only=True):
+    """Ask for one ``LoadReport``."""
+
+
+class Flush(msgspec.Struct, tag="flush", frozen=True, kw_only=True):
+    """Drop the prefix cache (running requests keep their KV); answered by a ``LoadReport``."""
+
+
+ClientMsg = Hello | Generate | Abort | GetLoad | Flush
+
+
+# --- worker -> gateway -----------------------------------------------------------------------
+
+
+class Welcome(msgspec.Struct, tag="welcome", frozen=True, kw_only=True):
+    """The worker's answer to ``Hello``: what it serves and the geometry the router hashes with.
+
+    Attributes:
+        sliding_window: W of the SWA layers; None for a model without SWA layers.
+        max_context: the most tokens (prompt + output) one request may hold.
+    """
+
+    version: int
+    worker_id: str
+    model: str
+    page_size: int
+    sliding_window: int | None
+    max_context: int
+
+
+class TokenDelta(msgspec.Struct, tag="token_delta", frozen=True, kw_only=True):
+    """New output tokens of a request, in order.
+
+    Attributes:
+        logprobs: one per token in ``token_ids`` when the request asked for logprobs.
+        top_logprobs: one list of ``(token_id, logprob)``, highest first, per token, when the
+            request asked for ``logprobs >= 1``.
+        cached_tokens: prompt tokens served from the prefix cache; set on the first delta only.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    cached_tokens: int = 0
+
+
+class Finished(msgspec.Struct, tag="finished", frozen=True, kw_only=True):
+    """A request's last message.
+
+    ``cached_tokens`` is the total prompt-cache hit; the ``cached_tokens_*`` fields split it by
+    the tier the KV came from (device L1, host L2, storage L3) and sum to it.
+    """
+
+    request_id: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    cached_tokens_device: int = 0
+    cached_tokens_host: int = 0
+    cached_tokens_storage: int = 0
+
+
+class ErrorReply(msgspec.Struct, tag="error", frozen=True, kw_only=True):
+    """A typed error. With a ``request_id`` it ends that request; without one it concerns the
+    connection or a message that could not be decoded far enough to find its request."""
+
+    request_id: str | None
+    code: ErrorCode
+    message: str
+
+
+class LoadReport(msgspec.Struct, tag="load_report", frozen=True, kw_only=True):
+    """A snapshot of the worker's load, for routing and admission.
+
+    Attributes:
+        free_full_pages: pages free for full-attention layers, counted in full-layer pages.
+        free_swa_pages: pages free for SWA layers, counted in SWA-layer pages. Both come from one
+            byte budget, so allocating one kind shrinks the other.
+        used_bytes, total_bytes: the KV byte budget and what of it is in use (cache included).
+        cached_pages: pages held by the prefix cache and not locked by a running request.
+    """
+
+    worker_id: str
+    num_running: int
+    num_waiting: int
+    free_full_pages: int
+    free_swa_pages: int
+    used_bytes: int
+    total_bytes: int
+    cached_pages: int
+
+
+WorkerMsg = Welcome | TokenDelta | Finished | ErrorReply | LoadReport
+
+_ENCODER = msgspec.msgpack.Encoder()
+_CLIENT_DECODER = msgspec.msgpack.Decoder(ClientMsg)
+_WORKER_DECODER = msgspec.msgpack.Decoder(WorkerMsg)
+
+
+def encode(msg: ClientMsg | WorkerMsg) -> bytes:
+    """msgpack bytes of one message (a map with its tag under ``"type"``)."""
+    return _ENCODER.encode(msg)
+
+
+def decode_client(data: bytes) -> ClientMsg:
+    """Decode a gateway -> worker message.
+
+    Raises:
+        ProtocolError: ``data`` is not a ``ClientMsg``; the message names the offending field.
+    """
+    return _decode(_CLIENT_DECODER, data, "client")
+
+
+def decode_worker(data: bytes) -> WorkerMsg:
+    """Decode a worker -> gateway message.
+
+    Raises:
+        ProtocolError: ``data`` is not a ``WorkerMsg``; the message names the offending field.
+    """
+    return _decode(_WORKER_DECODER, data, "worker")
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[Any], data: bytes, direction: str) -> Any:
+    try:
+        return decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"invalid {direction} message: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"undecodable {direction} message ({len(data)} bytes): {exc}") from None

@@ -1,0 +1,319 @@
+"""SWA-aware prefix cache: invariants under random use (hypothesis) and the retention policy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
+
+from engine.kv.allocator import PageAllocator
+from engine.kv.layout import KVLayout, PageKind
+from engine.kv.prefix_cache import CacheEvent, Node, PrefixCache
+
+PAGE = 4
+
+
+def _make_cache(window: int, num_chunks: int, enabled: bool = True, clock=None) -> PrefixCache:
+    # one full layer (1 head, dims 2+2) and one SWA layer (2 heads): an SWA page is twice a full
+    # page, so a chunk holds 2 full pages or 1 SWA page
+    layout = KVLayout(page_size=PAGE, dtype_bytes=1, full_layer_ids=(0,), swa_layer_ids=(1,),
+                      full_head_dims=(1, 2, 2), swa_head_dims=(2, 2, 2), window=window)
+    alloc = PageAllocator(layout, num_chunks * layout.chunk_bytes)
+    events: list[CacheEvent] = []
+    kwargs = {"clock": clock} if clock else {}
+    cache = PrefixCache(alloc, enabled=enabled, on_event=events.append, **kwargs)
+    cache.events = events  # type: ignore[attr-defined]
+    return cache
+
+
+def _hashes(tokens: Sequence[int]) -> list[int]:
+    out, prev = [], 0
+    for i in range(len(tokens) // PAGE):
+        prev = hash((prev, tuple(tokens[i * PAGE : (i + 1) * PAGE]))) & (2**63 - 1)
+        out.append(prev)
+    return out
+
+
+@dataclass
+class _Running:
+    """A request as the engine drives the cache: pinned deepest node + pinned SWA window."""
+
+    hashes: list[int]
+    path: list[Node] = field(default_factory=list)
+    swa_pinned: list[Node] = field(default_factory=list)
+
+
+class _Driver:
+    """The engine-side protocol: match, pin, compute pages (allocating), slide the window."""
+
+    def __init__(self, cache: PrefixCache, memory: dict[tuple[PageKind, int], int]) -> None:
+        self.cache, self.memory = cache, memory
+
+    def start(self, tokens: Sequence[int]) -> _Running:
+        req = _Running(_hashes(tokens))
+        m = self.cache.match(req.hashes, max_tokens=len(tokens) - 1)
+        req.path = list(m.nodes)
+        if req.path:
+            self.cache.pin(req.path[-1], full=True, swa=False)
+            for n in req.path[-self.cache.window_pages :]:
+                self.cache.pin(n, full=False, swa=True)
+                req.swa_pinned.append(n)
+        return req
+
+    def compute(self, req: _Running, num_pages: int) -> int:
+        """Compute up to num_pages more pages; returns how many fit in memory."""
+        done = 0
+        while done < num_pages and len(req.path) < len(req.hashes):
+            if not self.cache.evict(1, 1):
+                break
+            full = self.cache.allocator.allocate(PageKind.FULL, 1)[0]
+            swa = self.cache.allocator.allocate(PageKind.SWA, 1)[0]
+            h = req.hashes[len(req.path)]
+            self.memory[(PageKind.FULL, full)] = self.memory[(PageKind.SWA, swa)] = h
+            parent = req.path[-1] if req.path else None
+            node = self.cache.insert(parent, h, full, swa)
+            if parent is not None:
+                self.cache.unpin(parent, full=True, swa=False)
+            req.path.append(node)
+            req.swa_pinned.append(node)
+            while len(req.swa_pinned) > self.cache.window_pages:
+                self.cache.unpin(req.swa_pinned.pop(0), full=False, swa=True)
+            done += 1
+        return done
+
+    def finish(self, req: _Running, checkpoint: bool) -> None:
+        if checkpoint and req.path:
+            self.cache.mark_checkpoint(req.path[-1])
+        for n in req.swa_pinned:
+            self.cache.unpin(n, full=False, swa=True)
+        if req.path:
+            self.cache.unpin(req.path[-1], full=True, swa=False)
+        req.swa_pinned, req.path = [], []
+
+
+def _oracle_match(cache: PrefixCache, hashes: list[int], max_tokens: int) -> tuple[int, int]:
+    """Brute force over the live nodes: (raw, usable) tokens."""
+    live = {n.page_hash: n.swa_page is not None for n in cache.nodes()}
+    k, raw = cache.window_pages, 0
+    for h in hashes[: max_tokens // PAGE]:
+        if h not in live:
+            break
+        raw += 1
+    usable = 0
+    for p in range(1, raw + 1):
+        if all(live[hashes[i]] for i in range(max(0, p - k), p)):
+            usable = p
+    return raw * PAGE, usable * PAGE
+
+
+# token streams over a tiny alphabet share prefixes often
+_tokens = st.lists(st.integers(0, 2), min_size=1, max_size=9).map(
+    lambda pages: [t for p in pages for t in [p, 0, 0, 1]] + [7]
+)
+
+
+class PrefixCacheMachine(RuleBasedStateMachine):
+    requests = Bundle("requests")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.cache: PrefixCache | None = None
+        self.memory: dict[tuple[PageKind, int], int] = {}
+        self.running: list[_Running] = []
+
+    @precondition(lambda self: self.cache is None)
+    @rule(window=st.sampled_from([1, 4, 6, 8]), chunks=st.integers(4, 24))
+    def setup(self, window: int, chunks: int) -> None:
+        self.cache = _make_cache(window, chunks, clock=lambda: self.now)
+        self.driver = _Driver(self.cache, self.memory)
+
+    @precondition(lambda self: self.cache is not None)
+    @rule(target=requests, tokens=_tokens, pages=st.integers(0, 10))
+    def start(self, tokens: list[int], pages: int) -> _Running:
+        req = self.driver.start(tokens)
+        self.driver.compute(req, pages)
+        self.running.append(req)
+        return req
+
+    @precondition(lambda self: self.cache is not None)
+    @rule(req=requests, pages=st.integers(1, 4))
+    def compute_more(self, req: _Running, pages: int) -> None:
+        if req in self.running:
+            self.driver.compute(req, pages)
+
+    @precondition(lambda self: self.cache is not None)
+    @rule(req=requests, checkpoint=st.booleans(), ttl=st.none() | st.floats(1, 100))
+    def finish(self, req: _Running, checkpoint: bool, ttl: float | None) -> None:
+        if req not in self.running:
+            return
+        if checkpoint and ttl is not None and req.path:
+            self.cache.mark_checkpoint(req.path[-1], retain_ttl_s=ttl)
+        self.driver.finish(req, checkpoint)
+        self.running.remove(req)
+
+    @precondition(lambda self: self.cache is not None)
+    @rule(num_full=st.integers(0, 6), num_swa=st.integers(0, 6))
+    def evict(self, num_full: int, num_swa: int) -> None:
+        ok = self.cache.evict(num_full, num_swa)
+        assert ok == self.cache.allocator.can_allocate(num_full, num_swa)
+
+    @precondition(lambda self: self.cache is not None)
+    @rule(dt=st.floats(0, 60))
+    def advance_clock(self, dt: float) -> None:
+        self.now += dt
+
+    @precondition(lambda self: self.cache is not None)
+    @rule(tokens=_tokens)
+    def match_agrees_with_oracle(self, tokens: list[int]) -> None:
+        hashes = _hashes(tokens)
+        expected_raw, expected_usable = _oracle_match(self.cache, hashes, len(tokens) - 1)
+        m = self.cache.match(hashes, max_tokens=len(tokens) - 1)
+        assert (m.raw_tokens, m.usable_tokens) == (expected_raw, expected_usable), (
+            f"match gave raw={m.raw_tokens} usable={m.usable_tokens}, oracle "
+            f"raw={expected_raw} usable={expected_usable} (W={self.cache.window})"
+        )
+        assert [n.page_hash for n in m.nodes] == hashes[: len(m.nodes)]
+
+    @precondition(lambda self: self.cache is not None and not self.running)
+    @rule()
+    def flush_frees_everything(self) -> None:
+        self.cache.flush()
+        alloc = self.cache.allocator
+        assert self.cache.num_nodes == 0
+        assert alloc.used_bytes == 0, f"leak: {alloc.num_used_pages(PageKind.FULL)} full, " \
+            f"{alloc.num_used_pages(PageKind.SWA)} SWA pages still used after flush"
+
+    @invariant()
+    def pages_hold_what_the_tree_says(self) -> None:
+        """No use of a freed page: every live page still holds the content written for it."""
+        if self.cache is None:
+            return
+        for n in self.cache.nodes():
+            assert self.memory.get((PageKind.FULL, n.full_page)) == n.page_hash, n
+            if n.swa_page is not None:
+                assert self.memory.get((PageKind.SWA, n.swa_page)) == n.page_hash, n
+
+    @invariant()
+    def no_leak(self) -> None:
+        if self.cache is None:
+            return
+        nodes = self.cache.nodes()
+        alloc = self.cache.allocator
+        assert alloc.num_used_pages(PageKind.FULL) == len(nodes)
+        assert alloc.num_used_pages(PageKind.SWA) == sum(n.swa_page is not None for n in nodes)
+
+    @invariant()
+    def pinned_pages_stay(self) -> None:
+        for req in self.running:
+            for n in req.path:
+                assert n.alive, f"a running request's page was freed: {n}"
+            for n in req.swa_pinned:
+                assert n.swa_page is not None, f"a running request's SWA page was freed: {n}"
+
+    @invariant()
+    def checkpoints_have_live_windows(self) -> None:
+        if self.cache is None:
+            return
+        for n in self.cache.nodes():
+            if n.is_ckpt_end:
+                window = list(n.ancestors(self.cache.window_pages))
+                assert all(a.swa_page is not None for a in window), f"broken checkpoint at {n}"
+
+
+PrefixCacheMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None
+)
+TestPrefixCacheMachine = PrefixCacheMachine.TestCase
+
+
+# ------------------------------------------------------------------ the retention policy
+
+
+def _run(cache: PrefixCache, tokens: list[int], checkpoint: bool = True) -> _Running:
+    driver = _Driver(cache, {})
+    req = driver.start(tokens)
+    assert driver.compute(req, len(tokens)) >= 0
+    driver.finish(req, checkpoint)
+    return req
+
+
+def _seq(first: int, pages: int) -> list[int]:
+    return [first * 100 + i for i in range(pages * PAGE)] + [1]
+
+
+def test_history_swa_goes_before_checkpoints_and_full_kv() -> None:
+    cache = _make_cache(window=4, num_chunks=64)
+    _run(cache, _seq(1, 6))  # 6 pages; the checkpoint pins the last one's SWA (k = 1)
+    nodes = {n.depth: n for n in cache.nodes()}
+    used = cache.allocator.num_used_pages
+    assert used(PageKind.SWA) == 6 and used(PageKind.FULL) == 6  # plenty: all history kept
+    assert cache.match(_hashes(_seq(1, 6)), max_tokens=3 * PAGE).usable_tokens == 3 * PAGE
+    for _ in range(5):
+        assert cache._evict_one()
+    assert [d for d, n in sorted(nodes.items()) if n.swa_page is not None] == [5]
+    assert used(PageKind.FULL) == 6, "full KV must outlive SWA history"
+    # a mid-sequence hit is now cut by the window, the checkpoint still hits
+    m = cache.match(_hashes(_seq(1, 6)), max_tokens=3 * PAGE)
+    assert (m.raw_tokens, m.usable_tokens) == (3 * PAGE, 0)
+    full = cache.match(_hashes(_seq(1, 6)), max_tokens=6 * PAGE + 1)
+    assert full.usable_tokens == 6 * PAGE
+    assert cache.stats.cut_tokens == 3 * PAGE
+
+
+def test_retained_checkpoint_survives_pressure_until_its_ttl() -> None:
+    now = [0.0]
+    cache = _make_cache(window=4, num_chunks=64, clock=lambda: now[0])
+    old, kept = _run(cache, _seq(1, 2)), _run(cache, _seq(2, 2), checkpoint=False)
+    cache.mark_checkpoint(cache.lookup(kept.hashes[-1]), retain_ttl_s=30)
+    del old
+    while cache._evict_one():
+        pass
+    assert {n.depth for n in cache.nodes()} == {0, 1}, "only the retained branch stays"
+    assert cache.match(kept.hashes, max_tokens=2 * PAGE + 1).usable_tokens == 2 * PAGE
+    now[0] = 31.0
+    assert cache._evict_one() and cache.match(kept.hashes, 2 * PAGE + 1).usable_tokens < 2 * PAGE
+
+
+def test_cache_off_keeps_nothing() -> None:
+    cache = _make_cache(window=4, num_chunks=16, enabled=False)
+    req = _run(cache, _seq(1, 4))
+    assert cache.allocator.used_bytes == 0
+    assert cache.match(req.hashes, max_tokens=100).raw_tokens == 0
+    assert cache.events == []
+
+
+def test_events_announce_pages_and_checkpoints() -> None:
+    cache = _make_cache(window=8, num_chunks=64)
+    req = _run(cache, _seq(1, 3))
+    kinds = [e.kind for e in cache.events]
+    assert kinds == ["stored", "stored", "stored", "ckpt_stored"]
+    assert cache.events[1].parent_hash == req.hashes[0]
+    assert cache.events[-1].page_hash == req.hashes[-1]
+    cache.flush()
+    kinds = [e.kind for e in cache.events[4:]]
+    assert "ckpt_dropped" in kinds and kinds.count("removed") == 3 and kinds[-1] == "cleared"
+
+
+@pytest.mark.parametrize("window", [1, 4, 5, 8])
+def test_window_safe_boundary(window: int) -> None:
+    """Usable needs live SWA for exactly the ceil(W / page) pages before the resume point."""
+    cache = _make_cache(window=window, num_chunks=64)
+    req = _run(cache, _seq(3, 5), checkpoint=False)
+    k = cache.window_pages
+    nodes = sorted(cache.nodes(), key=lambda n: n.depth)
+    victim = nodes[2]  # tombstone page 2: resume points 3 .. 2 + k lose their window
+    cache.allocator.free(PageKind.SWA, [victim.swa_page])
+    victim.swa_page = None
+    for end in range(1, 6):
+        m = cache.match(req.hashes, max_tokens=end * PAGE)
+        window_hits_page_2 = 3 <= end <= 2 + k  # resume point `end` needs pages end-k .. end-1
+        if window_hits_page_2:
+            assert m.usable_tokens < end * PAGE, f"end={end}, k={k}: usable {m.usable_tokens}"
+            assert m.raw_tokens == end * PAGE
+        else:
+            assert m.usable_tokens == end * PAGE, f"end={end}, k={k}: usable {m.usable_tokens}"
