@@ -187,18 +187,18 @@ class EventPublisher:
         self._rank = data_parallel_rank
         self._next_seq = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._pub = ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, hwm)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self.endpoint = _bind(self._pub, endpoint)
+        self._pub, self.endpoint = _bound_socket(ctx, zmq.PUB, endpoint, hwm)
         self._replay: zmq.Socket[bytes] | None = None
         self.replay_endpoint: str | None = None
         if replay_endpoint is not None:
-            self._replay = ctx.socket(zmq.ROUTER)
             # NOTE: room for one whole replay per client; beyond it ROUTER drops, never blocks.
-            self._replay.setsockopt(zmq.SNDHWM, buffer_steps + 2)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self.replay_endpoint = _bind(self._replay, replay_endpoint)
+            try:
+                self._replay, self.replay_endpoint = _bound_socket(
+                    ctx, zmq.ROUTER, replay_endpoint, buffer_steps + 2
+                )
+            except zmq.ZMQError:
+                self._pub.close(linger=0)
+                raise
 
     @property
     def next_seq(self) -> int:
@@ -395,9 +395,18 @@ def _seq_bytes(seq: int) -> bytes:
     return seq.to_bytes(_SEQ_BYTES, "big", signed=True)
 
 
-def _bind(sock: zmq.Socket[bytes], endpoint: str) -> str:
-    """Bind and return the address actually bound (port 0 or ``*`` -> the port picked)."""
+def _bound_socket(
+    ctx: zmq.Context[Any], kind: int, endpoint: str, send_hwm: int
+) -> tuple[zmq.Socket[bytes], str]:
+    """A socket bound to ``endpoint``, and the address it bound (port 0 -> the port picked)."""
     if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
         endpoint = endpoint[:-2] + ":*"
-    sock.bind(endpoint)
-    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.SNDHWM, send_hwm)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError:
+        sock.close(linger=0)
+        raise
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)

@@ -110,22 +110,19 @@ class PagedBatch:
     def _init_slot_mapping(self, kind: PageKind) -> tuple[torch.Tensor, torch.Tensor]:
         """Page id and in-page offset of every new token, for one vectorized write per layer."""
         size = self.layout.page_size
-        page_ids: list[int] = []
-        positions: list[int] = []
+        page_ids, offsets = [], []
         for i, seq in enumerate(self.seqs):
-            pages = self._pages(seq, kind)
-            for pos in range(seq.num_cached, seq.seq_len):
-                page = pages[pos // size]
+            first_page = seq.num_cached // size
+            written = self._pages(seq, kind)[first_page : num_pages(seq.seq_len, size)]
+            for j, page in enumerate(written, start=first_page):
                 assert page is not None, (
-                    f"sequence {i}: {kind.name} page {pos // size} (position {pos}) was released "
-                    f"but this step writes it"
+                    f"sequence {i}: {kind.name} page {j} was released but this step writes it"
                 )
-                page_ids.append(page)
-                positions.append(pos)
+            pos = torch.arange(seq.num_cached, seq.seq_len)
+            page_ids.append(torch.tensor(written, dtype=torch.int64)[pos // size - first_page])
+            offsets.append(pos % size)
         device = self.pool.device
-        pos_t = torch.tensor(positions, dtype=torch.int64)
-        ids_t = torch.tensor(page_ids, dtype=torch.int64)
-        return ids_t.to(device), (pos_t % size).to(device)
+        return torch.cat(page_ids).to(device), torch.cat(offsets).to(device)
 
     def _init_reads(self, seq: SeqPages, kind: PageKind) -> _SeqReads:
         size, window = self.layout.page_size, self.layout.window

@@ -1,0 +1,77 @@
+"""Engine configuration: one frozen object per engine process, read from flags or the environment.
+
+``from_env`` is the only place that reads environment variables (prefix ``AGENTGATE_``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How one engine runs its model.
+
+    Attributes:
+        model_path: a model directory (config.json + safetensors); required by "native".
+        backend: "native" (this project's torch engine) or "sim" (same scheduler, pools and cache,
+            forward replaced by a cost model).
+        page_size: tokens per KV page (a power of two).
+        kv_budget_bytes: the ONE byte budget that full and SWA pages are drawn from.
+        max_num_batched_tokens: token budget per step (prefill chunks + decodes).
+        max_running_requests: cap on requests decoding at once.
+        max_waiting_requests: bounded queue; more is rejected as overloaded.
+        enable_prefix_cache: keep KV of finished work for later requests.
+        dtype, device: for "native"; device None = CUDA when available.
+    """
+
+    model_path: str | None = None
+    backend: str = "native"
+    page_size: int = 16
+    kv_budget_bytes: int = 256 * 2**20
+    max_num_batched_tokens: int = 512
+    max_running_requests: int = 64
+    max_waiting_requests: int = 1024
+    enable_prefix_cache: bool = True
+    dtype: str = "auto"
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        p = self.page_size
+        assert p > 0 and p & (p - 1) == 0, f"page_size={p}: must be a power of 2"
+        assert self.backend in ("native", "sim"), f"backend={self.backend!r}: native or sim"
+        assert self.kv_budget_bytes > 0, f"kv_budget_bytes={self.kv_budget_bytes}: must be > 0"
+        assert self.max_num_batched_tokens >= p, (
+            f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= page_size={p}"
+        )
+        assert self.max_running_requests >= 1, "max_running_requests must be >= 1"
+        assert self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> EngineConfig:
+        """Fields from ``AGENTGATE_<FIELD>`` variables (upper case), then ``overrides``."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(f"AGENTGATE_{f.name.upper()}")
+            if raw is not None:
+                values[f.name] = _parse(raw, f.type, f.name)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def _parse(raw: str, annotation: object, name: str) -> Any:
+    kind = str(annotation)
+    try:
+        if kind.startswith("int"):
+            return int(raw)
+        if kind.startswith("bool"):
+            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(raw)
+            return raw.lower() in ("1", "true", "yes")
+    except ValueError as e:
+        raise ValueError(f"AGENTGATE_{name.upper()}={raw!r}: not a valid {kind}") from e
+    return raw

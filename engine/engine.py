@@ -1,0 +1,211 @@
+"""Engine: scheduler + KV manager + a runner (native model or sim cost model), stepped in a loop.
+
+Used by the offline ``LLM`` and by the worker process. ``step()`` runs one batch and returns the
+requests that got a token or finished in it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from engine.config import EngineConfig
+from engine.kv.allocator import PageAllocator
+from engine.kv.layout import KVLayout, PageKind
+from engine.kv.manager import KVManager
+from engine.kv.paged import SeqPages
+from engine.kv.prefix_cache import CacheEvent, PrefixCache
+from engine.model_config import ModelConfig
+from engine.sampler import SampleOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduled, Scheduler
+from engine.sequence import Sequence
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class Runner(Protocol):
+    def run(self, batch: list[Scheduled], pages: list[SeqPages]) -> SampleOutput | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    free_full_pages: int
+    free_swa_pages: int
+    used_bytes: int
+    total_bytes: int
+    cached_pages: int
+    num_preemptions: int
+
+
+class Engine:
+    """One model, one KV budget, one scheduler.
+
+    Args:
+        cfg: the engine config (backend, page size, KV budget, batching limits).
+        model_config: geometry for the "sim" backend when ``cfg.model_path`` is not given.
+        on_cache_event: receives the prefix cache's events (the worker publishes them).
+        cost: the sim backend's ``CostModel`` (default: calibrated CPU figures).
+    """
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        model_config: ModelConfig | None = None,
+        on_cache_event: Callable[[CacheEvent], None] | None = None,
+        cost: object | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.model_config = model_config or ModelConfig.from_dir(_require_path(cfg))
+        model = self.model = self._load_model()
+        dtype_bytes = 2 if model is None else next(model.parameters()).dtype.itemsize
+        self.layout = KVLayout.from_model(self.model_config, cfg.page_size, dtype_bytes)
+        self.allocator = PageAllocator(self.layout, cfg.kv_budget_bytes)
+        self.runner = self._make_runner(model, cost)
+        self.cache = PrefixCache(self.allocator, enabled=cfg.enable_prefix_cache,
+                                 on_event=on_cache_event)
+        self.kv = KVManager(self.allocator, self.cache)
+        self.scheduler = Scheduler(
+            self.kv, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_running_requests=cfg.max_running_requests,
+            max_waiting_requests=cfg.max_waiting_requests,
+        )
+        self.eos_token_ids = _eos_ids(cfg.model_path, self.model_config)
+
+    # ------------------------------------------------------------------ requests
+
+    def make_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      **kwargs: object) -> Sequence:
+        """Validate and build a request (``kwargs``: priority, cache_salt, session_id, ...).
+
+        Raises:
+            ValueError: empty prompt, token id outside the vocabulary, or prompt + max_new_tokens
+                beyond the model's context.
+        """
+        _validate_prompt(prompt_ids, params.max_new_tokens, self.model_config)
+        eos = () if params.ignore_eos else self.eos_token_ids
+        stop = set(params.stop_token_ids) | set(eos)
+        return Sequence(request_id, tuple(int(t) for t in prompt_ids), params,
+                        generator=self._generator(params.seed), stop_ids=frozenset(stop),
+                        **kwargs)  # type: ignore[arg-type]
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        return self.scheduler.abort(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[Sequence]:
+        """Run one batch; returns requests that got a token, finished or failed in it."""
+        batch, failed = self.scheduler.schedule()
+        if not batch:
+            return failed
+        pages = [self.kv.seq_pages(s.seq, s.query_len) for s in batch]
+        sampled = self.runner.run(batch, pages)
+        sampling = [s.seq for s in batch if s.samples]
+        for s in batch:
+            self.kv.commit(s.seq, s.query_len)
+        if sampled is not None:
+            self._append(sampling, sampled)
+        return failed + sampling
+
+    def flush_cache(self) -> int:
+        return self.cache.flush()
+
+    def stats(self) -> EngineStats:
+        a = self.allocator
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            free_full_pages=a.num_free_pages(PageKind.FULL),
+            free_swa_pages=a.num_free_pages(PageKind.SWA), used_bytes=a.used_bytes,
+            total_bytes=a.total_bytes, cached_pages=self.cache.num_nodes,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _append(self, seqs: list[Sequence], sampled: SampleOutput) -> None:
+        tokens = sampled.token_ids.tolist()
+        for i, seq in enumerate(seqs):
+            token = tokens[i]
+            seq.output_ids.append(token)
+            if seq.params.logprobs is not None and sampled.logprobs is not None:
+                seq.logprobs.append(float(sampled.logprobs[i]))
+                top = sampled.top_logprobs[i]
+                if seq.params.logprobs and top is not None:
+                    seq.top_logprobs.append(tuple(top))
+            if token in seq.stop_ids:
+                self.scheduler.finish(seq, "stop")
+            elif len(seq.output_ids) >= seq.params.max_new_tokens:
+                self.scheduler.finish(seq, "length")
+
+    def _load_model(self):  # noqa: ANN202 (MiMoV2ForCausalLM | None; torch stays lazy)
+        if self.cfg.backend == "sim":
+            return None
+        from engine.models.loader import load_model
+
+        return load_model(_require_path(self.cfg), dtype=self.cfg.dtype, device=_device(self.cfg))
+
+    def _make_runner(self, model: object, cost: object | None) -> Runner:
+        if model is None:
+            from engine.sim import CostModel, SimRunner
+
+            assert cost is None or isinstance(cost, CostModel), f"cost={cost!r}: a CostModel"
+            return SimRunner(self.model_config.vocab_size, cost)
+        from engine.model_runner import ModelRunner
+
+        return ModelRunner(model, self.layout, self.allocator.num_chunks)  # type: ignore[arg-type]
+
+    def _generator(self, seed: int | None):  # noqa: ANN202 (torch.Generator | None)
+        from engine.sampler import make_generator
+
+        device = getattr(self.runner, "device", "cpu")
+        return make_generator(seed, device)
+
+
+def _require_path(cfg: EngineConfig) -> str:
+    if cfg.model_path is None:
+        raise ValueError("model_path is required (a directory with config.json + safetensors)")
+    return cfg.model_path
+
+
+def _device(cfg: EngineConfig) -> str:
+    if cfg.device is not None:
+        return cfg.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _eos_ids(model_path: str | None, cfg: ModelConfig) -> tuple[int, ...]:
+    ids = list(cfg.eos_token_ids)
+    gen_cfg = Path(model_path) / "generation_config.json" if model_path else None
+    if gen_cfg is not None and gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    return tuple(dict.fromkeys(ids))
+
+
+def _validate_prompt(prompt: list[int], max_new_tokens: int, cfg: ModelConfig) -> None:
+    if len(prompt) == 0:
+        raise ValueError("prompt is empty: give at least one token id")
+    bad = [t for t in prompt if not 0 <= int(t) < cfg.vocab_size]
+    if bad:
+        raise ValueError(
+            f"prompt token ids {bad[:5]} are outside the vocabulary [0, {cfg.vocab_size})"
+        )
+    limit = cfg.max_position_embeddings
+    if len(prompt) + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} exceeds the "
+            f"model's context of {limit} tokens"
+        )

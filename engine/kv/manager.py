@@ -1,0 +1,141 @@
+"""KVManager: one request's page table against the shared allocator and the prefix cache.
+
+Lifecycle of a request's pages:
+
+    admit    match the prefix cache; pin the usable path (full: deepest node, SWA: the window)
+    reserve  before a forward: allocate private pages for positions [num_computed, +n)
+    commit   after it: every page the step completed goes into the tree (deduplicated), the pin
+             moves to the new deepest node, and SWA pages that slid out of the window are unpinned
+             (the cache keeps them as history while memory is plentiful, or frees them)
+    release  finish / abort / preempt: optionally checkpoint the end, unpin everything, free the
+             private partial page
+
+NOTE (O(W) running requests): after every commit a request pins SWA only for the pages holding
+positions [seq_len - W, seq_len); during a step it also holds the step's new pages, so at most
+ceil((W + chunk) / page) + 1 SWA pages per SWA layer at any time.
+"""
+
+from __future__ import annotations
+
+from engine.hashing import page_hash, page_hashes, salt_seed
+from engine.kv.allocator import PageAllocator
+from engine.kv.layout import PageKind, num_pages, swa_first_needed_page
+from engine.kv.paged import SeqPages
+from engine.kv.prefix_cache import PrefixCache
+from engine.sequence import Sequence
+
+
+class KVManager:
+    def __init__(self, allocator: PageAllocator, cache: PrefixCache) -> None:
+        self.allocator, self.cache = allocator, cache
+        layout = allocator.layout
+        self.page_size, self.window = layout.page_size, layout.window
+        self.has_swa = layout.page_bytes(PageKind.SWA) > 0
+
+    # ------------------------------------------------------------------ admission
+
+    def admit(self, seq: Sequence) -> int:
+        """Match the prefix cache for a request with nothing computed; returns cached tokens."""
+        assert seq.num_computed == 0 and not seq.path and not seq.pending_full
+        tokens = seq.token_ids
+        seq.page_hashes = page_hashes(tokens, self.page_size, seq.cache_salt)
+        # at least the last token is recomputed: its logits are needed
+        m = self.cache.match(seq.page_hashes, len(tokens) - 1, tokens)
+        seq.path = list(m.nodes)
+        seq.branch_node = m.branch_node if m.raw_tokens > 0 else None
+        if seq.path:
+            self.cache.pin(seq.path[-1], full=True, swa=False)
+            first = swa_first_needed_page(m.usable_tokens, self.window, 0, self.page_size)
+            for node in seq.path[first:] if self.has_swa else ():
+                self.cache.pin(node, full=False, swa=True)
+                seq.swa_pinned.append(node)
+        seq.num_computed = seq.num_cached = m.usable_tokens
+        return m.usable_tokens
+
+    # ------------------------------------------------------------------ one step
+
+    def pages_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """New pages (of each kind) a step of ``num_new_tokens`` needs."""
+        have = len(seq.path) + len(seq.pending_full)
+        return max(0, num_pages(seq.num_computed + num_new_tokens, self.page_size) - have)
+
+    def can_reserve(self, seq: Sequence, num_new_tokens: int, evict: bool = True) -> bool:
+        n = self.pages_needed(seq, num_new_tokens)
+        n_swa = n if self.has_swa else 0
+        if evict:
+            return self.cache.evict(n, n_swa)
+        return self.allocator.can_allocate(n, n_swa)
+
+    def reserve(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Allocate the pages for positions [num_computed, num_computed + n); check first."""
+        n = self.pages_needed(seq, num_new_tokens)
+        if n:
+            seq.pending_full += self.allocator.allocate(PageKind.FULL, n)
+            if self.has_swa:
+                seq.pending_swa += self.allocator.allocate(PageKind.SWA, n)
+
+    def seq_pages(self, seq: Sequence, query_len: int) -> SeqPages:
+        swa = [n.swa_page for n in seq.path] + list(seq.pending_swa)
+        return SeqPages(
+            full_pages=[n.full_page for n in seq.path] + list(seq.pending_full),
+            swa_pages=swa if self.has_swa else [],
+            num_cached=seq.num_computed,
+            query_len=query_len,
+        )
+
+    def commit(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Record that the step computed ``num_new_tokens``; cache the pages it completed."""
+        seq.num_computed += num_new_tokens
+        p = self.page_size
+        while (len(seq.path) + 1) * p <= seq.num_computed:
+            self._insert_page(seq)
+        if self.has_swa:
+            first = swa_first_needed_page(seq.num_computed, self.window, 0, p)
+            while seq.swa_pinned and seq.swa_pinned[0].depth < first:
+                self.cache.unpin(seq.swa_pinned.popleft(), full=False, swa=True)
+        if seq.branch_node is not None and len(seq.path) > seq.branch_node.depth:
+            # an observed branch point: the request recomputed the window it lacked
+            self.cache.mark_checkpoint(seq.path[seq.branch_node.depth])
+            seq.branch_node = None
+
+    # ------------------------------------------------------------------ release
+
+    def release(self, seq: Sequence, checkpoint: bool = False) -> None:
+        """Give back everything the request holds; with ``checkpoint``, keep its end resumable."""
+        if checkpoint and seq.path:
+            self.cache.mark_checkpoint(seq.path[-1], seq.retain_ttl_s)
+        for node in seq.swa_pinned:
+            self.cache.unpin(node, full=False, swa=True)
+        if seq.path:
+            self.cache.unpin(seq.path[-1], full=True, swa=False)
+        self.allocator.free(PageKind.FULL, seq.pending_full)
+        if seq.pending_swa:
+            self.allocator.free(PageKind.SWA, seq.pending_swa)
+        seq.path, seq.pending_full, seq.pending_swa = [], [], []
+        seq.swa_pinned.clear()
+        seq.branch_node = None
+        seq.num_computed = 0
+
+    def num_swa_pages_held(self, seq: Sequence) -> int:
+        return len(seq.swa_pinned) + len(seq.pending_swa)
+
+    # ------------------------------------------------------------------ internals
+
+    def _insert_page(self, seq: Sequence) -> None:
+        i = len(seq.path)
+        tokens = tuple(seq.token(j) for j in range(i * self.page_size, (i + 1) * self.page_size))
+        if i < len(seq.page_hashes):
+            h = seq.page_hashes[i]
+        else:
+            prev = seq.page_hashes[-1] if seq.page_hashes else None
+            h = page_hash(prev, tokens, salt_seed(seq.cache_salt))
+            seq.page_hashes.append(h)
+        parent = seq.path[-1] if seq.path else None
+        full = seq.pending_full.pop(0)
+        swa = seq.pending_swa.pop(0) if self.has_swa else None
+        node = self.cache.insert(parent, h, full, swa, tokens)
+        if parent is not None:
+            self.cache.unpin(parent, full=True, swa=False)
+        seq.path.append(node)
+        if swa is not None:
+            seq.swa_pinned.append(node)

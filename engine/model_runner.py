@@ -1,0 +1,42 @@
+"""ModelRunner: one forward of the native model over a scheduled batch, then sampling."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.kv.layout import KVLayout
+from engine.kv.paged import PagedBatch, SeqPages
+from engine.kv.pool import KVPool
+from engine.models.mimo_v2 import MiMoV2ForCausalLM
+from engine.sampler import SampleOutput, Sampler
+from engine.scheduler import Scheduled
+
+
+class ModelRunner:
+    """Runs the model on paged KV; owns the device pool behind the allocator's page ids."""
+
+    def __init__(self, model: MiMoV2ForCausalLM, layout: KVLayout, num_chunks: int) -> None:
+        self.model = model
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.layout = layout
+        self.pool = KVPool(layout, num_chunks, dtype=self.dtype, device=self.device)
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def run(self, batch: Sequence[Scheduled], pages: Sequence[SeqPages]) -> SampleOutput | None:
+        """Forward every scheduled token; sample for the requests whose last token ran."""
+        ids = [s.seq.token(j) for s in batch for j in range(s.seq.num_computed,
+                                                            s.seq.num_computed + s.query_len)]
+        kv = PagedBatch(self.pool, self.layout, pages)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, kv.positions(self.device), kv)
+        rows = [row for s, row in zip(batch, kv.last_token_rows()) if s.samples]
+        if not rows:
+            return None
+        sampling = [s.seq for s in batch if s.samples]
+        logits = self.model.compute_logits(hidden[rows])
+        return self.sampler.sample(logits, [q.params for q in sampling],
+                                   [q.generator for q in sampling])

@@ -1,0 +1,153 @@
+"""Continuous batching: decodes first, then prefill chunks, within a token budget per step.
+
+Each step every scheduled request computes ``query_len`` of its not-yet-computed tokens: 1 for a
+decode, a chunk of the prompt for a prefill (chunked prefill). A request samples a token when the
+step computes its last known token. Higher ``priority`` runs first; ties go by arrival.
+
+Memory: a request is admitted only if its first chunk's pages can be had (evicting cached pages
+if needed). When a running decode cannot get a page, the lowest-priority, newest running request
+is preempted: its pages are released (completed pages stay in the prefix cache, so it usually
+resumes with a hit) and it goes back to the front of the queue. A request that cannot fit even
+with nothing else running fails with ``finish_reason="error"`` instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.kv.manager import KVManager
+from engine.sequence import Sequence, Status
+
+
+class Overloaded(Exception):
+    """The waiting queue is full (the gateway maps this to 429)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduled:
+    seq: Sequence
+    query_len: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step computes the request's last known token (so a token is sampled)."""
+        return self.seq.num_computed + self.query_len == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVManager,
+        *,
+        max_num_batched_tokens: int,
+        max_running_requests: int,
+        max_waiting_requests: int,
+    ) -> None:
+        self.kv = kv
+        self.max_tokens = max_num_batched_tokens
+        self.max_running = max_running_requests
+        self.max_waiting = max_waiting_requests
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue
+
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.max_waiting:
+            raise Overloaded(f"{len(self.waiting)} requests are waiting (max {self.max_waiting})")
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self.kv.release(seq)
+                    self._finish(seq, "abort")
+                    return seq
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> tuple[list[Scheduled], list[Sequence]]:
+        """Pick this step's work. Returns (scheduled, failed): failed requests never fit."""
+        budget = self.max_tokens
+        batch: list[Scheduled] = []
+        # decodes first (one token each), then prefill chunks; by priority within each
+        for seq in sorted(self.running, key=lambda s: (s.num_uncomputed > 1, *_priority_key(s))):
+            if budget == 0 or seq not in self.running:
+                continue
+            n = min(seq.num_uncomputed, budget)
+            if self._reserve_running(seq, n, batch):
+                batch.append(Scheduled(seq, n))
+                budget -= n
+        failed = self._admit(batch, budget)
+        return batch, failed
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Stop a running request (stop condition met): checkpoint its end, release the rest."""
+        self.running.remove(seq)
+        self.kv.release(seq, checkpoint=True)
+        self._finish(seq, reason)
+
+    # ------------------------------------------------------------------ internals
+
+    def _reserve_running(self, seq: Sequence, n: int, batch: list[Scheduled]) -> bool:
+        while not self.kv.can_reserve(seq, n):
+            victim = self._preemption_victim(exclude={s.seq for s in batch})
+            if victim is None:
+                return False
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.kv.reserve(seq, n)
+        return True
+
+    def _admit(self, batch: list[Scheduled], budget: int) -> list[Sequence]:
+        failed: list[Sequence] = []
+        self.waiting.sort(key=_priority_key)
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            self.kv.admit(seq)
+            n = min(seq.num_uncomputed, budget)
+            if not self.kv.can_reserve(seq, n):
+                self.kv.release(seq)
+                if not self.running and not batch:
+                    self.waiting.pop(0)
+                    self._finish(seq, "error")
+                    failed.append(seq)
+                    continue
+                break  # head of line waits for memory (no starvation of big requests)
+            self.waiting.pop(0)
+            self.kv.reserve(seq, n)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.append(Scheduled(seq, n))
+            budget -= n
+        return failed
+
+    def _preemption_victim(self, exclude: set[Sequence]) -> Sequence | None:
+        candidates = [s for s in self.running if s not in exclude]
+        return max(candidates, key=_priority_key) if candidates else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.release(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, seq)
+
+    @staticmethod
+    def _finish(seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+
+def _priority_key(seq: Sequence) -> tuple[int, int]:
+    return (-seq.priority, seq.arrival)
