@@ -25,6 +25,8 @@ class EngineConfig:
         max_running_requests: cap on requests decoding at once.
         max_waiting_requests: bounded queue; more is rejected as overloaded.
         enable_prefix_cache: keep KV of finished work for later requests.
+        keep_page_tokens: store cached pages' token ids (hash-collision check, token_ids in
+            BlockStored events); trace replays turn it off to hold 10^7 pages.
         dtype, device: for "native"; device None = CUDA when available.
     """
 
@@ -36,6 +38,7 @@ class EngineConfig:
     max_running_requests: int = 64
     max_waiting_requests: int = 1024
     enable_prefix_cache: bool = True
+    keep_page_tokens: bool = True
     dtype: str = "auto"
     device: str | None = None
 

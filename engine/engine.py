@@ -68,7 +68,7 @@ class Engine:
         self.allocator = PageAllocator(self.layout, cfg.kv_budget_bytes)
         self.runner = self._make_runner(model, cost)
         self.cache = PrefixCache(self.allocator, enabled=cfg.enable_prefix_cache,
-                                 on_event=on_cache_event)
+                                 keep_tokens=cfg.keep_page_tokens, on_event=on_cache_event)
         self.kv = KVManager(self.allocator, self.cache)
         self.scheduler = Scheduler(
             self.kv, max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -90,7 +90,7 @@ class Engine:
         _validate_prompt(prompt_ids, params.max_new_tokens, self.model_config)
         eos = () if params.ignore_eos else self.eos_token_ids
         stop = set(params.stop_token_ids) | set(eos)
-        return Sequence(request_id, tuple(int(t) for t in prompt_ids), params,
+        return Sequence(request_id, tuple(map(int, prompt_ids)), params,
                         generator=self._generator(params.seed), stop_ids=frozenset(stop),
                         **kwargs)  # type: ignore[arg-type]
 
@@ -198,8 +198,8 @@ def _eos_ids(model_path: str | None, cfg: ModelConfig) -> tuple[int, ...]:
 def _validate_prompt(prompt: list[int], max_new_tokens: int, cfg: ModelConfig) -> None:
     if len(prompt) == 0:
         raise ValueError("prompt is empty: give at least one token id")
-    bad = [t for t in prompt if not 0 <= int(t) < cfg.vocab_size]
-    if bad:
+    if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:
+        bad = [t for t in prompt if not 0 <= int(t) < cfg.vocab_size]
         raise ValueError(
             f"prompt token ids {bad[:5]} are outside the vocabulary [0, {cfg.vocab_size})"
         )

@@ -42,6 +42,9 @@ class Sequence:
     cache_salt: str | None = None
     session_id: str | None = None
     retain_ttl_s: float | None = None
+    # positions where a later request is expected to resume (message boundaries, ...): their
+    # page-aligned floors become SWA checkpoints once computed
+    checkpoint_positions: tuple[int, ...] = ()
     generator: torch.Generator | None = None
     stop_ids: frozenset[int] = frozenset()
     # progress

@@ -38,9 +38,14 @@ class KVManager:
         """Match the prefix cache for a request with nothing computed; returns cached tokens."""
         assert seq.num_computed == 0 and not seq.path and not seq.pending_full
         tokens = seq.token_ids
-        seq.page_hashes = page_hashes(tokens, self.page_size, seq.cache_salt)
+        if len(seq.page_hashes) < len(tokens) // self.page_size:
+            # NOTE: a caller may precompute the hashes (in-process only, e.g. a trace replay);
+            # hashes from the wire are never trusted, they would cross tenant salts
+            seq.page_hashes = page_hashes(tokens, self.page_size, seq.cache_salt)
         # at least the last token is recomputed: its logits are needed
-        m = self.cache.match(seq.page_hashes, len(tokens) - 1, tokens)
+        m = self.cache.match(
+            seq.page_hashes, len(tokens) - 1, tokens if self.cache.keep_tokens else None
+        )
         seq.path = list(m.nodes)
         seq.branch_node = m.branch_node if m.raw_tokens > 0 else None
         if seq.path:
@@ -97,6 +102,11 @@ class KVManager:
             # an observed branch point: the request recomputed the window it lacked
             self.cache.mark_checkpoint(seq.path[seq.branch_node.depth])
             seq.branch_node = None
+        before = seq.num_computed - num_new_tokens
+        for pos in seq.checkpoint_positions:
+            pages = pos // p  # the hint's page-aligned floor, reached by this step?
+            if before < pages * p <= seq.num_computed and pages >= 1:
+                self.cache.mark_checkpoint(seq.path[pages - 1])
 
     # ------------------------------------------------------------------ release
 
@@ -123,12 +133,20 @@ class KVManager:
 
     def _insert_page(self, seq: Sequence) -> None:
         i = len(seq.path)
-        tokens = tuple(seq.token(j) for j in range(i * self.page_size, (i + 1) * self.page_size))
+        lo, hi = i * self.page_size, (i + 1) * self.page_size
+        n = len(seq.prompt_ids)
+        if not self.cache.keep_tokens:
+            tokens = None
+        elif hi <= n:
+            tokens = seq.prompt_ids[lo:hi]
+        else:
+            tokens = tuple(seq.token(j) for j in range(lo, hi))
         if i < len(seq.page_hashes):
             h = seq.page_hashes[i]
         else:
             prev = seq.page_hashes[-1] if seq.page_hashes else None
-            h = page_hash(prev, tokens, salt_seed(seq.cache_salt))
+            page = tokens or tuple(seq.token(j) for j in range(lo, hi))
+            h = page_hash(prev, page, salt_seed(seq.cache_salt))
             seq.page_hashes.append(h)
         parent = seq.path[-1] if seq.path else None
         full = seq.pending_full.pop(0)

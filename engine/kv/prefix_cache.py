@@ -110,12 +110,14 @@ class PrefixCache:
         allocator: where the pages come from and go back to (its layout gives the page size and
             W, the previous tokens an SWA query sees).
         enabled: False keeps nothing once released (and never matches): the "cache off" mode.
+        keep_tokens: store each page's token ids; off saves memory for 10^7-page replays.
         on_event: called with each ``CacheEvent`` (KV events for routers).
         clock: seconds, for retention TTLs.
     """
 
     allocator: PageAllocator
     enabled: bool = True
+    keep_tokens: bool = True  # store each page's token ids (collision check, BlockStored events)
     on_event: Callable[[CacheEvent], None] | None = None
     clock: Callable[[], float] = time.monotonic
     stats: CacheStats = field(default_factory=CacheStats)
@@ -195,7 +197,8 @@ class PrefixCache:
             elif swa_page is not None:
                 self.allocator.free(PageKind.SWA, [swa_page])
         else:
-            node = Node(page_hash, parent, full_page, swa_page, token_ids)
+            node = Node(page_hash, parent, full_page, swa_page,
+                        token_ids if self.keep_tokens else None)
             if parent is not None:
                 parent.num_children += 1
             if self.enabled:
@@ -260,6 +263,17 @@ class PrefixCache:
             if not self._evict_one():
                 return False
         return True
+
+    def drop_history(self) -> int:
+        """Tombstone every unpinned non-checkpoint SWA page (what pressure takes first).
+
+        Returns the number of SWA pages freed. Full KV and checkpoints stay.
+        """
+        freed = 0
+        while (node := self._pop(self._swa_heap, lambda n: n.swa_access, self._is_history)):
+            self._drop_swa(node)
+            freed += 1
+        return freed
 
     def flush(self) -> int:
         """Free every unpinned cached page; returns the number of nodes removed."""

@@ -1,0 +1,160 @@
+"""Engine benchmarks (issue 3), each printed side by side with its baseline from the same run.
+
+1. kv-bytes: KV held for one 32k-token session on MiMo-V2.5-Pro geometry (70 layers, 10 full,
+   W = 128, page 16) vs the all-full-attention layout and the ideal (10 L + 60 W) / (70 L).
+2. hit-rate: prefix-cache token hit rate replaying the Mooncake traces (sim backend, one worker,
+   prefill-only, trace order) at several budgets, ours vs (a) all layers full attention (our
+   engine) and (b) an SGLang-style cache (loadtest/sglang_ref.py).
+3. decode: decode tok/s with continuous batching at batch 1, 8, 32 vs transformers generate().
+
+    python loadtest/bench_engine.py [kv-bytes|hit-rate|decode ...] [--budgets 1,3,10,30]
+        [--traces conversation,synthetic] [--limit N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import mooncake as tr  # loadtest/ is the script's directory
+from sglang_ref import SGLangStyleCache
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.kv.layout import PageKind
+from engine.model_config import ModelConfig
+from engine.models.checkpoint import mimo_config
+from engine.sampling_params import SamplingParams
+from engine.sim import ZERO_COST
+
+PAGE, WINDOW, LAYERS, FULL_EVERY = 16, 128, 70, 7
+KV_HEADS, HEAD_DIM, DTYPE_BYTES = 8, 128, 2
+CHUNK = 8192  # prefill tokens per step
+SESSION_TOKENS, SESSION_DECODE = 32_768, 256
+
+
+def pro_geometry(all_full: bool = False) -> ModelConfig:
+    """MiMo-V2.5-Pro-like: 70 layers, 10 full (every 7th), W = 128, same KV size per layer."""
+    layers = "".join("F" if all_full or i % FULL_EVERY == 0 else "S" for i in range(LAYERS))
+    return ModelConfig.from_dict(mimo_config(
+        layers=layers, sliding_window=WINDOW, vocab_size=152_576, hidden_size=1024,
+        num_attention_heads=16, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+        v_head_dim=HEAD_DIM, max_position_embeddings=1 << 20, swa_num_key_value_heads=KV_HEADS,
+    ))
+
+
+TOKEN_BYTES = LAYERS * KV_HEADS * 2 * HEAD_DIM * DTYPE_BYTES  # one token, all layers, full attn
+
+
+def sim_engine(budget_tokens: float, *, all_full: bool = False, cache: bool = True) -> Engine:
+    cfg = EngineConfig(backend="sim", page_size=PAGE, kv_budget_bytes=int(budget_tokens
+                       * TOKEN_BYTES), max_num_batched_tokens=CHUNK, max_running_requests=1,
+                       enable_prefix_cache=cache, keep_page_tokens=False)
+    return Engine(cfg, model_config=pro_geometry(all_full), cost=ZERO_COST)
+
+
+# ---------------------------------------------------------------- 1. KV bytes of one session
+
+
+def bench_kv_bytes() -> None:
+    eng = sim_engine(4 * SESSION_TOKENS, cache=True)
+    lay = eng.layout
+    prompt = tr.block_tokens(1, 1000).tolist() * (SESSION_TOKENS // tr.BLOCK_TOKENS)
+    params = SamplingParams(max_new_tokens=SESSION_DECODE, ignore_eos=True)
+    seq = eng.make_sequence("session", prompt, params)
+    eng.add(seq)
+    peak_swa = 0
+    while eng.has_work:
+        eng.step()
+        peak_swa = max(peak_swa, eng.kv.num_swa_pages_held(seq))
+    eng.cache.drop_history()  # memory pressure takes SWA history first; checkpoints stay
+    total = seq.num_tokens - 1  # the last sampled token has no KV yet
+    held = (eng.allocator.num_used_pages(PageKind.FULL) * lay.page_bytes(PageKind.FULL)
+            + eng.allocator.num_used_pages(PageKind.SWA) * lay.page_bytes(PageKind.SWA))
+    n_full, n_swa = lay.num_layers(PageKind.FULL), lay.num_layers(PageKind.SWA)
+    per_layer_token = TOKEN_BYTES // LAYERS
+    all_full = total * TOKEN_BYTES
+    ideal = (n_full * total + n_swa * WINDOW) * per_layer_token
+    page_per_swa_layer = PAGE * per_layer_token * n_swa
+    print(f"kv-bytes: one {total}-token session ({SESSION_TOKENS} prompt + decode), MiMo-V2.5-Pro "
+          f"geometry, page {PAGE}")
+    print(f"  all-full layout {all_full / 2**20:10.1f} MiB   ideal {ideal / 2**20:8.1f} MiB   "
+          f"ours at rest {held / 2**20:8.1f} MiB")
+    print(f"  ours/all-full {held / all_full:.4f}  ideal/all-full {ideal / all_full:.4f}  "
+          f"excess over ideal = {(held - ideal) / page_per_swa_layer:.2f} page(s) per SWA layer; "
+          f"SWA pages held after each step, peak {peak_swa} "
+          f"(bound ceil((W+chunk)/page)+1 = {-(-(WINDOW + CHUNK) // PAGE) + 1})")
+
+
+# ---------------------------------------------------------------- 2. hit rate on the traces
+
+
+def replay_ours(records: list[tr.Record], src: tr.TokenSource, budget: float,
+                all_full: bool) -> float:
+    eng = sim_engine(budget * 1e6, all_full=all_full)
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    hit = total = 0
+    for i, rec in enumerate(records):
+        tokens, hashes = src.tokens(rec), src.hashes(rec)
+        last_block = rec.input_length // tr.BLOCK_TOKENS * tr.BLOCK_TOKENS
+        seq = eng.make_sequence(f"r{i}", tokens, params, page_hashes=hashes,
+                                checkpoint_positions=(last_block, rec.input_length))
+        eng.add(seq)
+        while eng.has_work:
+            eng.step()
+        hit += seq.num_cached
+        total += rec.input_length
+    return hit / total
+
+
+def replay_sglang(records: list[tr.Record], src: tr.TokenSource, budget: float) -> float:
+    # bytes: F full-pool tokens x 10 layers + 0.8 F SWA tokens x 60 layers = budget x 70 layers
+    n_full = LAYERS // FULL_EVERY
+    full_tokens = budget * 1e6 * LAYERS / (n_full + 0.8 * (LAYERS - n_full))
+    cache = SGLangStyleCache(int(full_tokens // PAGE), int(0.8 * full_tokens // PAGE),
+                             -(-WINDOW // PAGE))
+    hit = total = 0
+    for rec in records:
+        hit += cache.process(src.hashes(rec), rec.input_length)
+        total += rec.input_length
+    return hit / total
+
+
+def bench_hit_rate(traces: list[str], budgets: list[float], limit: int | None) -> None:
+    print("hit-rate: token hit rate, prefill-only replay in trace order, page 16, W = 128, "
+          "budget in M full-attention-token equivalents")
+    print(f"{'trace':>12} {'budget':>6} {'ours':>7} {'all-full':>9} {'sglang-style':>13} "
+          f"{'ours/best':>10} {'secs':>6}")
+    for name in traces:
+        records = tr.load(name, limit)
+        src = tr.TokenSource(vocab_size=152_576, page_size=PAGE)
+        for budget in budgets:
+            t0 = time.perf_counter()
+            ours = replay_ours(records, src, budget, all_full=False)
+            full = replay_ours(records, src, budget, all_full=True)
+            sgl = replay_sglang(records, src, budget)
+            best = max(full, sgl)
+            print(f"{name:>12} {budget:>5g}M {ours:7.1%} {full:9.1%} {sgl:13.1%} "
+                  f"{ours / best:10.3f} {time.perf_counter() - t0:6.0f}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("parts", nargs="*", default=["kv-bytes", "hit-rate", "decode"])
+    ap.add_argument("--budgets", default="1,3,10,30")
+    ap.add_argument("--traces", default="conversation,synthetic")
+    ap.add_argument("--limit", type=int, default=None, help="replay only the first N records")
+    args = ap.parse_args()
+    if "kv-bytes" in args.parts:
+        bench_kv_bytes()
+    if "hit-rate" in args.parts:
+        bench_hit_rate(args.traces.split(","), [float(b) for b in args.budgets.split(",")],
+                       args.limit)
+    if "decode" in args.parts:
+        from bench_decode import bench_decode
+
+        bench_decode()
+
+
+if __name__ == "__main__":
+    main()
