@@ -109,6 +109,10 @@ class Engine:
         batch, failed = self.scheduler.schedule()
         if not batch:
             return failed
+        return failed + self.run_scheduled(batch)
+
+    def run_scheduled(self, batch: list[Scheduled]) -> list[Sequence]:
+        """Forward an already scheduled batch, commit its KV and append sampled tokens."""
         pages = [self.kv.seq_pages(s.seq, s.query_len) for s in batch]
         sampled = self.runner.run(batch, pages)
         sampling = [s.seq for s in batch if s.samples]
@@ -116,7 +120,7 @@ class Engine:
             self.kv.commit(s.seq, s.query_len)
         if sampled is not None:
             self._append(sampling, sampled)
-        return failed + sampling
+        return sampling
 
     def flush_cache(self) -> int:
         return self.cache.flush()

@@ -3,6 +3,8 @@
     agentgate model init DIR          write the built-in demo MiMo-V2 checkpoint (deterministic)
     agentgate generate [--model DIR] TEXT
                                       print a completion (the demo model by default)
+    agentgate worker --listen tcp://HOST:PORT --events tcp://HOST:PORT [--model DIR] ...
+                                      serve one engine over ZeroMQ (``agentgate worker -h``)
 
 Heavy modules (torch, the engine) are imported inside the commands, so ``agentgate --help`` and
 the gateway process stay light.
@@ -28,7 +30,12 @@ class CliError(Exception):
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    # NOTE: `worker` forwards its flags to engine.worker (defined there, parsed there), so they
+    # are only known after the engine is imported: collect them as extras.
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "forward_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     try:
         return int(args.func(args) or 0)
     except (CliError, ValueError, FileNotFoundError) as e:
@@ -110,6 +117,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from engine.worker import main as worker_main
+
+    return worker_main(args.extra, prog="agentgate worker")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentgate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"agentgate {_version()}")
@@ -135,6 +148,10 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto (config)")
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     gen.set_defaults(func=_cmd_generate)
+
+    worker = sub.add_parser("worker", add_help=False, help="serve one engine over ZeroMQ "
+                            "(flags: agentgate worker -h)")
+    worker.set_defaults(func=_cmd_worker, forward_args=True)
     return parser
 
 

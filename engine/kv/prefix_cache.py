@@ -260,7 +260,9 @@ class PrefixCache:
         Returns whether it can now. Never touches a pinned page.
         """
         while not self.allocator.can_allocate(num_full, num_swa):
-            if not self._evict_one():
+            # NOTE: TTL retention protects against ordinary pressure, never to the point of
+            # failing a request: when nothing else is left, retained pages go too.
+            if not self._evict_one() and not self._evict_one(ignore_retention=True):
                 return False
         return True
 

@@ -317,3 +317,15 @@ def test_window_safe_boundary(window: int) -> None:
             assert m.raw_tokens == end * PAGE
         else:
             assert m.usable_tokens == end * PAGE, f"end={end}, k={k}: usable {m.usable_tokens}"
+
+
+def test_retention_gives_way_before_a_request_would_fail() -> None:
+    """A TTL hint protects against ordinary pressure, not to the point of failing a request."""
+    cache = _make_cache(window=4, num_chunks=6, clock=lambda: 0.0)
+    kept = _run(cache, _seq(1, 3), checkpoint=False)
+    cache.mark_checkpoint(cache.lookup(kept.hashes[-1]), retain_ttl_s=1000)
+    other = _run(cache, _seq(2, 1))
+    assert cache.lookup(other.hashes[0]) is not None
+    assert cache.evict(0, 4), "all 6 chunks are evictable, so 4 SWA pages must be obtainable"
+    assert cache.lookup(other.hashes[0]) is None, "unretained pages go first"
+    assert cache.allocator.can_allocate(0, 4)

@@ -1,0 +1,471 @@
+"""The engine worker process: one ``Engine`` behind a ZeroMQ ROUTER, KV events on a PUB socket.
+
+    python -m engine.worker --listen tcp://127.0.0.1:5555 --events tcp://127.0.0.1:5556 \\
+        [--model DIR] [--backend native|sim] [--replay tcp://...] [...]   (see --help)
+
+Clients are DEALER sockets sending single-frame ``engine.protocol`` messages; every reply goes to
+the identity that sent the message. Message flow:
+
+- ``Hello`` -> ``Welcome``; a different ``version`` -> ``ErrorReply(None, "version_mismatch")``.
+  A Hello is expected first but not required.
+- ``Generate`` -> ``TokenDelta``s (``cached_tokens`` on the first), then exactly one of:
+  ``Finished`` (finish_reason "stop", "length" or "abort"), or ``ErrorReply(request_id, code)``:
+  ``invalid_request`` (bad sampling values, empty prompt, token id outside the vocabulary),
+  ``context_too_long`` (prompt + max_new_tokens > Welcome.max_context), ``overloaded`` (the
+  waiting queue is full), ``internal`` (the engine raised; the request is gone). The exception:
+  ``ErrorReply(request_id, "duplicate_request")`` refuses a Generate whose id this client already
+  has running, and that running request goes on (its own end still comes).
+  NOTE (failed requests): a request the scheduler cannot fit in KV memory even with nothing else
+  running (engine finish_reason "error") ends with ``ErrorReply(request_id, "context_too_long")``,
+  never with ``Finished("error")``: retrying it here cannot succeed. It is usually rejected before
+  any token; after a preemption it may come after some ``TokenDelta``s.
+- ``Abort`` -> ``Finished(finish_reason="abort")`` to the request's owner; unknown ids (finished,
+  never sent, another client's) are ignored.
+- ``GetLoad`` -> ``LoadReport``; ``Flush`` drops the prefix cache, then -> ``LoadReport``.
+- Anything that does not decode -> ``ErrorReply(None, "bad_message")``; the worker keeps serving.
+
+Request ids are scoped by client: two clients may both run a request "r1". A client that goes
+away without aborting leaves its requests running to completion (their replies are dropped).
+
+The PUB socket (``--events``) carries KV events under topic ``b"kv"`` once per engine step and a
+``LoadReport`` under ``b"load"`` about every second (every 100 ms at most while stepping); see
+``engine.worker_events``. With ``--backend sim`` each step's results are released after the cost
+model's step time (``--cost``), so a sim worker paces like a real one (``--cost zero``: flat out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.model_config import ModelConfig
+from engine.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    ClientMsg,
+    ErrorCode,
+    ErrorReply,
+    Flush,
+    Generate,
+    GetLoad,
+    Hello,
+    LoadReport,
+    ProtocolError,
+    Welcome,
+    WorkerMsg,
+    decode_client,
+    encode,
+)
+from engine.scheduler import Overloaded
+from engine.sequence import Sequence
+from engine.worker_events import KVEventBuffer, RequestStream, WorkerPublisher, load_report
+
+logger = logging.getLogger(__name__)
+
+COSTS = ("cpu", "h200", "zero")  # engine.sim.COST_PRESETS
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """The worker process's own settings (the engine's are an ``EngineConfig``).
+
+    Attributes:
+        listen: ROUTER endpoint for requests; port 0 binds a free port (printed at start).
+        events: PUB endpoint for KV events and load reports; port 0 as for ``listen``.
+        replay: ROUTER endpoint for KV event replay; None for none.
+        cost: the sim backend's cost preset (``engine.sim.COST_PRESETS``).
+        max_messages_per_poll: messages handled between two engine steps at most.
+    """
+
+    listen: str
+    events: str
+    replay: str | None = None
+    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    cost: str = "cpu"
+    max_messages_per_poll: int = 256
+    idle_poll_s: float = 0.05
+    load_interval_s: float = 1.0
+    busy_load_interval_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        assert self.cost in COSTS, f"cost={self.cost!r}: one of {COSTS}"
+        assert self.max_messages_per_poll >= 1, "max_messages_per_poll must be >= 1"
+        assert self.idle_poll_s > 0, f"idle_poll_s={self.idle_poll_s}: must be > 0"
+
+
+@dataclass(frozen=True, slots=True)
+class _HeldStep:
+    """A sim step's results, released when its simulated duration has passed."""
+
+    seqs: list[Sequence]
+    ready_at: float
+
+
+class Worker:
+    """Serves one engine; ``serve()`` runs until ``stop()`` (safe from a signal handler)."""
+
+    def __init__(self, cfg: WorkerConfig, engine_cfg: EngineConfig,
+                 model_config: ModelConfig | None = None,
+                 context: zmq.Context[Any] | None = None) -> None:
+        self.cfg = cfg
+        self._ctx = context or zmq.Context.instance()
+        self._init_engine(engine_cfg, model_config)
+        self._init_sockets()
+        self._requests: dict[str, RequestStream] = {}  # by engine request id
+        self._by_client: dict[tuple[bytes, str], str] = {}  # (identity, request_id) -> engine id
+        self._ids = itertools.count()
+        self._held: _HeldStep | None = None
+        self._stopping = False
+        self._last_load = 0.0
+        self._stepped = False
+
+    @property
+    def endpoints(self) -> tuple[str, str]:
+        """The bound (listen, events) addresses (port 0 resolved)."""
+        return self.listen_endpoint, self._pub.endpoint
+
+    def serve(self) -> None:
+        while not self._stopping:
+            if self._router.poll(self._poll_timeout_ms()):
+                self._drain_messages()
+            self._advance()
+            self._publish()
+            self._pub.poll_replay()
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def close(self) -> None:
+        self._router.close(linger=0)
+        self._pub.close()
+
+    # ------------------------------------------------------------------ setup
+
+    def _init_engine(self, engine_cfg: EngineConfig, model_config: ModelConfig | None) -> None:
+        model_config = model_config or _model_config(engine_cfg)
+        cost = None
+        if engine_cfg.backend == "sim":
+            from engine.sim import COST_PRESETS
+
+            cost = COST_PRESETS[self.cfg.cost]
+        self._kv_events = KVEventBuffer(engine_cfg.page_size, model_config.sliding_window)
+        self.engine = Engine(engine_cfg, model_config, on_cache_event=self._kv_events.add,
+                             cost=cost)
+        runner: Any = self.engine.runner
+        # NOTE: simulated seconds so far; a step's delay is how far it moved this clock
+        self._sim_clock_s = (lambda: runner.clock_s) if cost is not None else (lambda: 0.0)
+        self._welcome = self._make_welcome()
+
+    def _init_sockets(self) -> None:
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        try:
+            self._router.bind(_any_port(self.cfg.listen))
+            self.listen_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._pub = WorkerPublisher(self.cfg.events, replay_endpoint=self.cfg.replay,
+                                        context=self._ctx)
+        except zmq.ZMQError:
+            self._router.close(linger=0)
+            raise
+
+    def _make_welcome(self) -> Welcome:
+        e = self.engine
+        path = e.cfg.model_path
+        return Welcome(
+            version=PROTOCOL_VERSION, worker_id=self.cfg.worker_id,
+            model=Path(path).name if path else "demo", page_size=e.cfg.page_size,
+            sliding_window=e.model_config.sliding_window if e.kv.has_swa else None,
+            max_context=e.model_config.max_position_embeddings,
+        )
+
+    # ------------------------------------------------------------------ messages
+
+    def _poll_timeout_ms(self) -> int:
+        idle_ms = int(self.cfg.idle_poll_s * 1000)
+        if self._held is not None:  # NOTE: capped, so that stop() is seen within idle_poll_s
+            return min(idle_ms, max(0, int((self._held.ready_at - time.monotonic()) * 1000)))
+        return 0 if self.engine.has_work else idle_ms
+
+    def _drain_messages(self) -> None:
+        for _ in range(self.cfg.max_messages_per_poll):
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(frames)
+
+    def _handle(self, frames: list[bytes]) -> None:
+        identity = frames[0]
+        if len(frames) != 2:
+            text = f"expected one frame per message, got {len(frames) - 1}"
+            self._reply(identity, ErrorReply(request_id=None, code="bad_message", message=text))
+            return
+        try:
+            msg = decode_client(frames[1])
+        except ProtocolError as e:
+            self._reply(identity, ErrorReply(request_id=None, code="bad_message", message=str(e)))
+            return
+        try:
+            self._dispatch(identity, msg)
+        except Exception as e:  # NOTE: a bug in one message must not take the worker down
+            logger.exception("failed to handle a %s message", type(msg).__name__)
+            request_id = getattr(msg, "request_id", None)
+            if request_id is not None:
+                self._drop(identity, request_id)
+            self._error(identity, request_id, "internal", f"{type(e).__name__} in the worker")
+
+    def _dispatch(self, identity: bytes, msg: ClientMsg) -> None:
+        match msg:
+            case Hello():
+                self._on_hello(identity, msg)
+            case Generate():
+                self._on_generate(identity, msg)
+            case Abort():
+                self._on_abort(identity, msg)
+            case GetLoad():
+                self._reply(identity, self._load_report())
+            case Flush():
+                self.engine.flush_cache()
+                self._reply(identity, self._load_report())
+
+    def _on_hello(self, identity: bytes, msg: Hello) -> None:
+        if msg.version != PROTOCOL_VERSION:
+            text = f"worker speaks protocol version {PROTOCOL_VERSION}, client {msg.version}"
+            self._error(identity, None, "version_mismatch", text)
+            return
+        self._reply(identity, self._welcome)
+
+    def _on_generate(self, identity: bytes, msg: Generate) -> None:
+        rid = msg.request_id
+        if (identity, rid) in self._by_client:
+            self._error(identity, rid, "duplicate_request", f"request {rid!r} is still running")
+            return
+        seq_or_error = self._make_sequence(msg)
+        if isinstance(seq_or_error, ErrorReply):
+            self._reply(identity, seq_or_error)
+            return
+        try:
+            self.engine.add(seq_or_error)
+        except Overloaded as e:
+            self._error(identity, rid, "overloaded", str(e))
+            return
+        self._requests[seq_or_error.request_id] = RequestStream(identity, rid, seq_or_error)
+        self._by_client[(identity, rid)] = seq_or_error.request_id
+
+    def _make_sequence(self, msg: Generate) -> Sequence | ErrorReply:
+        rid = msg.request_id
+        try:
+            params = msg.sampling.to_params()
+        except ValueError as e:
+            return ErrorReply(request_id=rid, code="invalid_request", message=str(e))
+        limit = self._welcome.max_context
+        if len(msg.input_ids) + params.max_new_tokens > limit:
+            text = (f"prompt of {len(msg.input_ids)} tokens + max_new_tokens="
+                    f"{params.max_new_tokens} exceeds the context of {limit} tokens")
+            return ErrorReply(request_id=rid, code="context_too_long", message=text)
+        try:
+            return self.engine.make_sequence(
+                f"{next(self._ids)}:{rid}", msg.input_ids, params, priority=msg.priority,
+                cache_salt=msg.cache_salt, session_id=msg.session_id,
+                retain_ttl_s=msg.retain_ttl_s,
+            )
+        except ValueError as e:
+            return ErrorReply(request_id=rid, code="invalid_request", message=str(e))
+
+    def _on_abort(self, identity: bytes, msg: Abort) -> None:
+        engine_id = self._by_client.get((identity, msg.request_id))
+        if engine_id is None:
+            return  # NOTE: finished already, never sent, or another client's: nothing to do
+        self.engine.abort(engine_id)
+        self._finish(self._requests[engine_id])
+
+    # ------------------------------------------------------------------ engine steps
+
+    def _advance(self) -> None:
+        """Release a held sim step when its time has come, then run the next step."""
+        if self._held is not None:
+            if time.monotonic() < self._held.ready_at:
+                return
+            held, self._held = self._held, None
+            self._emit(held.seqs)
+        if not self.engine.has_work:
+            return
+        start, sim_start = time.monotonic(), self._sim_clock_s()
+        try:
+            seqs = self.engine.step()
+        except Exception:
+            logger.exception("engine step failed; failing %d requests", len(self._requests))
+            self._fail_all()
+            return
+        self._stepped = True
+        delay_s = self._sim_clock_s() - sim_start
+        if delay_s > 0:
+            self._held = _HeldStep(seqs, start + delay_s)
+        else:
+            self._emit(seqs)
+
+    def _emit(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            req = self._requests.get(seq.request_id)
+            if req is None:
+                continue  # aborted while its step was held
+            if seq.is_finished:
+                self._finish(req)
+            else:
+                self._send_delta(req)
+
+    def _send_delta(self, req: RequestStream) -> None:
+        delta = req.next_delta()
+        if delta is not None:
+            self._reply(req.identity, delta)
+
+    def _finish(self, req: RequestStream) -> None:
+        """Send what is left of the stream, then its one last message."""
+        self._send_delta(req)  # NOTE: tokens of a held sim step when the request is aborted
+        self._forget(req.identity, req.request_id)
+        self._reply(req.identity, req.last_message())
+
+    def _fail_all(self) -> None:
+        """After an engine failure: abort every request (best effort) and tell its client."""
+        self._held = None
+        for req in list(self._requests.values()):
+            self._drop(req.identity, req.request_id)
+            self._error(req.identity, req.request_id, "internal",
+                        "the engine failed while running this request")
+
+    def _drop(self, identity: bytes, request_id: str) -> None:
+        """Forget a request after a failure, aborting it in the engine if it is still there."""
+        engine_id = self._by_client.get((identity, request_id))
+        if engine_id is None:
+            return
+        self._forget(identity, request_id)
+        try:
+            self.engine.abort(engine_id)
+        except Exception:
+            logger.exception("abort of request %r after a failure failed", request_id)
+
+    def _forget(self, identity: bytes, request_id: str) -> None:
+        engine_id = self._by_client.pop((identity, request_id), None)
+        if engine_id is not None:
+            self._requests.pop(engine_id, None)
+
+    # ------------------------------------------------------------------ replies and events
+
+    def _reply(self, identity: bytes, msg: WorkerMsg) -> None:
+        # NOTE: ROUTER drops (never blocks on) messages for a gone or too slow client
+        try:
+            self._router.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("dropped a %s for a slow client", type(msg).__name__)
+
+    def _error(self, identity: bytes, request_id: str | None, code: ErrorCode, text: str) -> None:
+        self._reply(identity, ErrorReply(request_id=request_id, code=code, message=text))
+
+    def _load_report(self) -> LoadReport:
+        return load_report(self.cfg.worker_id, self.engine.stats())
+
+    def _publish(self) -> None:
+        events = self._kv_events.drain()
+        if events:
+            self._pub.publish(events)
+        now = time.monotonic()
+        interval = self.cfg.busy_load_interval_s if self._stepped else self.cfg.load_interval_s
+        if now - self._last_load >= interval:
+            self._pub.publish_load(self._load_report())
+            self._last_load, self._stepped = now, False
+
+
+# ---------------------------------------------------------------------- command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The worker's flags (shared by ``python -m engine.worker`` and ``agentgate worker``)."""
+    add = parser.add_argument
+    add("--model", help="model directory (config.json + safetensors); the sim backend "
+                        "defaults to the built-in demo geometry")
+    add("--listen", required=True, help="ROUTER endpoint for requests, e.g. tcp://127.0.0.1:5555")
+    add("--events", required=True, help="PUB endpoint for KV events (topic kv) and load "
+                                        "reports (topic load)")
+    add("--replay", help="ROUTER endpoint for KV event replay (default: none)")
+    add("--backend", choices=("native", "sim"), help="default native (or AGENTGATE_BACKEND)")
+    add("--page-size", type=int, help="tokens per KV page (a power of 2; default 16)")
+    add("--kv-budget-mb", type=int, help="KV byte budget in MiB (default 256)")
+    add("--max-batched-tokens", type=int, help="token budget per step (default 512)")
+    add("--no-prefix-cache", action="store_const", const=False, dest="prefix_cache",
+        help="keep no KV of finished requests")
+    add("--worker-id", help="name in Welcome and LoadReport (default host-pid)")
+    add("--cost", choices=COSTS, default="cpu", help="sim backend step-time preset")
+    add("--dtype", help="native backend: float32, bfloat16 or auto")
+    add("--device", help="native backend: cpu or cuda (default: cuda if available)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start a worker from parsed flags and serve until SIGINT/SIGTERM; returns the exit status."""
+    logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)
+    engine_cfg = EngineConfig.from_env(
+        model_path=args.model, backend=args.backend, page_size=args.page_size,
+        kv_budget_bytes=args.kv_budget_mb * 2**20 if args.kv_budget_mb else None,
+        max_num_batched_tokens=args.max_batched_tokens, enable_prefix_cache=args.prefix_cache,
+        dtype=args.dtype, device=args.device,
+    )
+    if engine_cfg.backend == "native" and engine_cfg.model_path is None:
+        raise ValueError("--model is required with the native backend")
+    extra = {"worker_id": args.worker_id} if args.worker_id else {}
+    cfg = WorkerConfig(listen=args.listen, events=args.events, replay=args.replay,
+                       cost=args.cost, **extra)
+    worker = Worker(cfg, engine_cfg)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: worker.stop())
+    listen, events = worker.endpoints
+    print(f"worker {cfg.worker_id} listening on {listen}, events on {events}",
+          file=sys.stderr, flush=True)
+    try:
+        worker.serve()
+    finally:
+        worker.close()
+    return 0
+
+
+def main(argv: Seq[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (AssertionError, ValueError, FileNotFoundError, zmq.ZMQError) as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _model_config(cfg: EngineConfig) -> ModelConfig:
+    if cfg.model_path is not None:
+        return ModelConfig.from_dir(cfg.model_path)
+    from engine.models.checkpoint import DEMO_CONFIG
+
+    return ModelConfig.from_dict(DEMO_CONFIG)
+
+
+def _any_port(endpoint: str) -> str:
+    """``tcp://host:0`` -> ``tcp://host:*`` (ZeroMQ's "pick a free port")."""
+    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+        return endpoint[:-2] + ":*"
+    return endpoint
+
+
+if __name__ == "__main__":
+    sys.exit(main(prog="python -m engine.worker"))

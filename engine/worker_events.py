@@ -1,0 +1,208 @@
+"""What the worker sends: each request's reply stream, KV events and load reports.
+
+``RequestStream`` turns a request's progress into its ``TokenDelta``s and its one last message.
+
+The PUB socket carries KV events (topic ``b"kv"``) and load reports (topic ``b"load"``).
+
+Topics (SUB sockets filter on the prefix, so subscribe to exactly one of them):
+
+    b"kv"    [b"kv", seq (u64 BE), msgpack [ts, [event, ...], dp_rank]]   engine.events format
+    b"load"  [b"load", seq (u64 BE), msgpack LoadReport]                   engine.protocol type
+
+The two topics count their ``seq`` separately, so a KV event subscriber (``EventSubscriber(...,
+topic="kv")``) sees no gaps caused by load reports. A subscriber to ``""`` gets both and must
+dispatch on the first frame.
+
+``KVEventBuffer`` collects the prefix cache's ``CacheEvent``s during a step and turns them into
+``engine.events`` types, merging consecutive events of one kind where the merged event means the
+same (``BlockStored`` only when the pages chain).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import zmq
+
+from engine.engine import EngineStats
+from engine.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventPublisher,
+    KVEvent,
+    SwaCheckpointDropped,
+    SwaCheckpointStored,
+)
+from engine.kv.prefix_cache import CacheEvent
+from engine.protocol import ErrorReply, Finished, FinishReason, LoadReport, TokenDelta, encode
+from engine.sequence import Sequence
+
+KV_TOPIC = "kv"
+LOAD_TOPIC = "load"
+_SEQ_BYTES = 8
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """One ``Generate``'s replies: what its client has been sent, and how the stream ends.
+
+    Attributes:
+        identity: the client's ROUTER identity (replies go there).
+        request_id: the client's id for the request (the engine's is ``seq.request_id``).
+        num_sent: output tokens already sent.
+        cached_tokens: the prefix cache hit, fixed by the first delta (a preempted request may
+            hit again on resume; the client is told the first figure only).
+    """
+
+    identity: bytes
+    request_id: str
+    seq: Sequence
+    num_sent: int = 0
+    cached_tokens: int | None = None
+
+    def next_delta(self) -> TokenDelta | None:
+        """The output tokens not sent yet (None if there are none); marks them sent."""
+        seq, start = self.seq, self.num_sent
+        new = seq.output_ids[start:]
+        if not new:
+            return None
+        first = self.cached_tokens is None
+        cached = self.cached_tokens = self._cached()
+        want = seq.params.logprobs
+        top = seq.top_logprobs[start:] if want else None
+        self.num_sent = len(seq.output_ids)
+        return TokenDelta(
+            request_id=self.request_id, token_ids=new,
+            logprobs=seq.logprobs[start:] if want is not None else None,
+            top_logprobs=[list(t) for t in top] if top and len(top) == len(new) else None,
+            cached_tokens=cached if first else 0,
+        )
+
+    def last_message(self) -> Finished | ErrorReply:
+        """The stream's end, once ``seq`` is finished (send ``next_delta()`` first).
+
+        NOTE: the engine's "error" (the request cannot fit in KV memory even alone) becomes
+        ``ErrorReply(code="context_too_long")``, never ``Finished("error")``.
+        """
+        seq = self.seq
+        if seq.finish_reason == "error":
+            text = (f"request of {len(seq.prompt_ids)} prompt tokens + max_new_tokens="
+                    f"{seq.params.max_new_tokens} does not fit in this worker's KV memory")
+            return ErrorReply(request_id=self.request_id, code="context_too_long", message=text)
+        cached = self._cached()
+        return Finished(
+            request_id=self.request_id, finish_reason=cast(FinishReason, seq.finish_reason),
+            prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),
+            cached_tokens=cached, cached_tokens_device=cached,
+        )
+
+    def _cached(self) -> int:
+        if self.cached_tokens is not None:
+            return self.cached_tokens
+        return min(self.seq.num_cached, len(self.seq.prompt_ids))
+
+
+def load_report(worker_id: str, stats: EngineStats) -> LoadReport:
+    s = stats
+    return LoadReport(
+        worker_id=worker_id, num_running=s.num_running, num_waiting=s.num_waiting,
+        free_full_pages=s.free_full_pages, free_swa_pages=s.free_swa_pages,
+        used_bytes=s.used_bytes, total_bytes=s.total_bytes, cached_pages=s.cached_pages,
+    )
+
+
+class WorkerPublisher(EventPublisher):
+    """An ``EventPublisher`` on topic ``b"kv"`` that also sends load reports under ``b"load"``."""
+
+    def __init__(self, endpoint: str, *, replay_endpoint: str | None = None,
+                 context: zmq.Context[Any] | None = None) -> None:
+        super().__init__(endpoint, replay_endpoint=replay_endpoint, topic=KV_TOPIC,
+                         context=context)
+        self._load_topic = LOAD_TOPIC.encode("utf-8")
+        self._load_seq = 0
+
+    def publish_load(self, report: LoadReport) -> None:
+        """Send one load report; dropped (never blocks) when subscribers are slow or absent."""
+        seq = self._load_seq.to_bytes(_SEQ_BYTES, "big")
+        self._load_seq += 1
+        # NOTE: the PUB socket is the base class's; a public "send under another topic" method on
+        # EventPublisher would be cleaner (events.py is not this module's).
+        with contextlib.suppress(zmq.Again):
+            self._pub.send_multipart([self._load_topic, seq, encode(report)], zmq.NOBLOCK)
+
+
+@dataclass(slots=True)
+class _Run:
+    """Consecutive cache events of one kind, merged (mutable while the step runs)."""
+
+    kind: str
+    hashes: list[int] = field(default_factory=list)
+    parent: int | None = None
+    token_ids: list[int] | None = None
+
+
+class KVEventBuffer:
+    """Collects ``CacheEvent``s (pass ``add`` as the engine's ``on_cache_event``) until ``drain``.
+
+    Args:
+        page_size: tokens per page (``BlockStored.block_size``).
+        window: W of the SWA layers (``SwaCheckpointStored.window``).
+    """
+
+    def __init__(self, page_size: int, window: int) -> None:
+        self.page_size, self.window = page_size, window
+        self._runs: list[_Run] = []
+
+    def add(self, event: CacheEvent) -> None:
+        last = self._runs[-1] if self._runs else None
+        if last is not None and _extends(last, event):
+            _append(last, event)
+            return
+        run = _Run(event.kind, parent=event.parent_hash)
+        if event.kind == "stored" and event.token_ids is not None:
+            run.token_ids = []
+        if event.kind != "cleared":
+            _append(run, event)
+        self._runs.append(run)
+
+    def drain(self) -> list[KVEvent]:
+        """The events collected since the last call, in order, merged; empties the buffer."""
+        runs, self._runs = self._runs, []
+        return [self._to_event(run) for run in runs]
+
+    def _to_event(self, run: _Run) -> KVEvent:
+        if run.kind == "stored":
+            return BlockStored(block_hashes=run.hashes, parent_block_hash=run.parent,
+                               token_ids=run.token_ids or [], block_size=self.page_size)
+        if run.kind == "removed":
+            return BlockRemoved(block_hashes=run.hashes)
+        if run.kind == "ckpt_stored":
+            return SwaCheckpointStored(block_hashes=run.hashes, window=self.window)
+        if run.kind == "ckpt_dropped":
+            return SwaCheckpointDropped(block_hashes=run.hashes)
+        assert run.kind == "cleared", f"unknown cache event kind {run.kind!r}"
+        return AllBlocksCleared()
+
+
+def _extends(run: _Run, event: CacheEvent) -> bool:
+    """Whether ``event`` can join ``run`` without changing what the events say."""
+    if event.kind != run.kind:
+        return False
+    if event.kind != "stored":
+        return True  # removals, checkpoint events: a set of hashes; "cleared" twice = once
+    # NOTE: one BlockStored is a chain: page i's parent is page i - 1 (and the tokens must be
+    # known for every page, or the concatenated token_ids would not line up with the hashes).
+    return (run.token_ids is not None and event.token_ids is not None
+            and event.parent_hash == run.hashes[-1])
+
+
+def _append(run: _Run, event: CacheEvent) -> None:
+    if event.kind == "cleared":
+        return
+    assert event.page_hash is not None, f"{event.kind} event without a page hash"
+    run.hashes.append(event.page_hash)
+    if run.token_ids is not None and event.token_ids is not None:
+        run.token_ids.extend(event.token_ids)
