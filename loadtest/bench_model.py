@@ -3,7 +3,8 @@
 Prefill: a greedy generate of 1 new token, BATCH * PROMPT_LEN tokens. Decode: a generate of
 NEW_TOKENS new tokens minus that prefill time, BATCH * (NEW_TOKENS - 1) tokens. Ours and theirs
 alternate (A B A B ...) so machine drift hits both alike; each cell is the median of REPEATS.
-The same run checks that both pick identical greedy tokens.
+The same run checks that both pick identical greedy tokens. Ours runs without the prefix cache:
+the repeats reuse the same prompts, and a cache hit would skip the prefill transformers redoes.
 
     python loadtest/bench_model.py [--model DIR] [--dtype bfloat16] [--experts eager]
 """
@@ -43,7 +44,8 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.model or write_random_checkpoint(tmp, DEMO_CONFIG, seed=SEED))
-        llm = LLM(model_dir, dtype=args.dtype, device="cpu")
+        # NOTE: no prefix cache, so both sides do the same work on every repeat.
+        llm = LLM(model_dir, dtype=args.dtype, device="cpu", enable_prefix_cache=False)
         ref = transformers.MiMoV2FlashForCausalLM.from_pretrained(
             model_dir,
             dtype=getattr(torch, args.dtype),
@@ -52,7 +54,7 @@ def main() -> None:
         ).eval()
         print(
             f"{args.dtype}, prompt {PROMPT_LEN}, new {NEW_TOKENS}, median of {REPEATS}, "
-            f"{args.threads} thread(s); transformers attn=eager "
+            f"{args.threads} thread(s); ours prefix cache off; transformers attn=eager "
             f"experts={ref.config._experts_implementation}"
         )
         print(f"{'batch':>5} {'phase':>7} {'ours tok/s':>11} {'hf tok/s':>11} {'ratio':>6}")

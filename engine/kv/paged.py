@@ -10,6 +10,17 @@ at [num_cached, seq_len):
 
 so an SWA page whose positions all lie below ``lo`` may be None (released, see
 ``layout.swa_first_needed_page``); reading one is a bug and trips an assertion.
+
+A step reads exactly the keys [first_pos, seq_len) of each sequence, token slot by token slot
+(first_pos = 0 for full layers, ``lo`` for SWA layers), never a page tail or another sequence's
+slot. Decode sequences (one query each) attend together in one batched call per layer, their keys
+left-aligned in a [B, L] grid (L = the most keys of any row):
+
+    column   0 .................. num_keys[b]-1 | num_keys[b] .. L-1
+    row b    keys first_pos .. seq_len-1         | its last key again (hidden: probability 0)
+
+A row without padding sums over the same columns as its sequence alone, so it gives that
+sequence's own result bit for bit; a padded row differs by float summation order only.
 """
 
 from __future__ import annotations
@@ -20,8 +31,13 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv.layout import KVLayout, PageKind, num_pages
-from engine.kv.pool import KVPool
-from engine.layers.attention import AttentionSpec, attention_with_sinks, visible_mask
+from engine.kv.pool import KVPool, PageSlots
+from engine.layers.attention import (
+    AttentionSpec,
+    attention_with_sinks,
+    decode_attention_with_sinks,
+    visible_mask,
+)
 
 
 @dataclass(slots=True)
@@ -45,11 +61,18 @@ class SeqPages:
 
 @dataclass(frozen=True, slots=True)
 class _SeqReads:
-    """Where one sequence's keys come from in one step, per page kind."""
+    """One prefilling sequence's keys in one step, per page kind."""
 
-    page_ids: torch.Tensor  # [num_read_pages] int64, on the pool's device
-    first_pos: int  # position of the first key the step needs
-    page_start: int  # position of the first key of the first read page
+    slots: torch.Tensor  # [L] ``KVPool.slot_rows`` of keys first_pos .. seq_len - 1
+    visible: torch.Tensor  # [query_len, L] bool
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeReads:
+    """All decode sequences' keys in one step, per page kind (see the module docstring)."""
+
+    slots: torch.Tensor  # [B, L] ``KVPool.slot_rows``
+    hidden: torch.Tensor | None  # [B, L] bool, True past row b's keys; None if no row is short
 
 
 class PagedBatch:
@@ -65,17 +88,23 @@ class PagedBatch:
         self._offsets = [0]
         for s in self.seqs:
             self._offsets.append(self._offsets[-1] + s.query_len)
+        self._decode_ids = [i for i, s in enumerate(self.seqs) if s.query_len == 1]
+        self._prefill_ids = [i for i, s in enumerate(self.seqs) if s.query_len > 1]
         kinds = [k for k in PageKind if layout.num_layers(k) > 0]
-        self._slots = {k: self._init_slot_mapping(k) for k in kinds}
-        self._reads = {k: [self._init_reads(s, k) for s in self.seqs] for k in kinds}
+        self._writes = {k: self._init_slot_mapping(k) for k in kinds}
+        self._reads = {k: [self._init_reads(i, k) for i in self._prefill_ids] for k in kinds}
+        self._decode_reads = {k: self._init_decode_reads(k) for k in kinds if self._decode_ids}
+        self._decode_rows = torch.tensor(
+            [self._offsets[i] for i in self._decode_ids], dtype=torch.int64, device=pool.device
+        )
 
     @property
     def num_tokens(self) -> int:
         return self._offsets[-1]
 
     def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        parts = [torch.arange(s.num_cached, s.seq_len) for s in self.seqs]
-        return torch.cat(parts).to(device)
+        pos = [p for s in self.seqs for p in range(s.num_cached, s.seq_len)]
+        return torch.tensor(pos, dtype=torch.int64, device=device)
 
     def last_token_rows(self) -> list[int]:
         return [end - 1 for end in self._offsets[1:]]
@@ -84,59 +113,103 @@ class PagedBatch:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
     ) -> torch.Tensor:
         kind, _ = self.layout.layer_index(spec.layer_id)
-        page_ids, offsets = self._slots[kind]
-        self.pool.write(spec.layer_id, page_ids, offsets, k, v)
-        outs = []
-        for seq, reads, lo, hi in zip(
-            self.seqs, self._reads[kind], self._offsets[:-1], self._offsets[1:]
-        ):
-            outs.append(self._attend_one(seq, reads, q[lo:hi], spec))
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        where, offsets = self._writes[kind]
+        self.pool.write_at(spec.layer_id, where, offsets, k, v)
+        if not self._prefill_ids:  # a pure decode step: its rows are the decode sequences
+            return self._attend_decodes(q, kind, spec)
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        if self._decode_ids:
+            out[self._decode_rows] = self._attend_decodes(q[self._decode_rows], kind, spec)
+        for i, reads in zip(self._prefill_ids, self._reads[kind]):
+            lo, hi = self._offsets[i], self._offsets[i + 1]
+            out[lo:hi] = self._attend_one(reads, q[lo:hi], spec)
+        return out
 
-    def _attend_one(
-        self, seq: SeqPages, reads: _SeqReads, q: torch.Tensor, spec: AttentionSpec
-    ) -> torch.Tensor:
-        keys, values = self.pool.gather(spec.layer_id, reads.page_ids)
-        # NOTE: keys before first_pos or past seq_len in the read pages are dropped, not masked:
-        # the tail of the last page is unwritten, and the same key set keeps results identical
-        # to ContiguousBatch.
-        lo, hi = reads.first_pos - reads.page_start, seq.seq_len - reads.page_start
-        keys, values = keys[lo:hi], values[lo:hi]
-        k_pos = torch.arange(reads.first_pos, seq.seq_len, device=q.device)
-        q_pos = torch.arange(seq.num_cached, seq.seq_len, device=q.device)
-        visible = visible_mask(q_pos, k_pos, spec.window)
-        return attention_with_sinks(q, keys, values, visible, spec.scale, spec.sinks)
+    def _attend_decodes(self, q: torch.Tensor, kind: PageKind, spec: AttentionSpec) -> torch.Tensor:
+        reads = self._decode_reads[kind]
+        kv = self.pool.read_slots(spec.layer_id, reads.slots)  # [B, L, Hkv, D + Dv]
+        keys, values = kv[..., : q.shape[-1]], kv[..., q.shape[-1] :]
+        return decode_attention_with_sinks(q, keys, values, reads.hidden, spec.scale, spec.sinks)
 
-    def _init_slot_mapping(self, kind: PageKind) -> tuple[torch.Tensor, torch.Tensor]:
-        """Page id and in-page offset of every new token, for one vectorized write per layer."""
+    def _attend_one(self, reads: _SeqReads, q: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+        kv = self.pool.read_slots(spec.layer_id, reads.slots)  # [L, Hkv, D + Dv]
+        # NOTE: contiguous K and V, as ContiguousBatch has them, keep the results identical.
+        keys, values = kv[..., : q.shape[-1]].contiguous(), kv[..., q.shape[-1] :].contiguous()
+        return attention_with_sinks(q, keys, values, reads.visible, spec.scale, spec.sinks)
+
+    def _init_slot_mapping(self, kind: PageKind) -> tuple[PageSlots, torch.Tensor]:
+        """Page and in-page offset of every new token, for one vectorized write per layer."""
         size = self.layout.page_size
-        page_ids, offsets = [], []
+        page_ids: list[int] = []
+        offsets: list[int] = []
         for i, seq in enumerate(self.seqs):
             first_page = seq.num_cached // size
-            written = self._pages(seq, kind)[first_page : num_pages(seq.seq_len, size)]
-            for j, page in enumerate(written, start=first_page):
+            held = self._pages(seq, kind)[first_page : num_pages(seq.seq_len, size)]
+            for j, page in enumerate(held, start=first_page):
                 assert page is not None, (
                     f"sequence {i}: {kind.name} page {j} was released but this step writes it"
                 )
-            pos = torch.arange(seq.num_cached, seq.seq_len)
-            page_ids.append(torch.tensor(written, dtype=torch.int64)[pos // size - first_page])
-            offsets.append(pos % size)
+            written = [page for page in held if page is not None]
+            positions = range(seq.num_cached, seq.seq_len)
+            page_ids += [written[p // size - first_page] for p in positions]
+            offsets += [p % size for p in positions]
         device = self.pool.device
-        return torch.cat(page_ids).to(device), torch.cat(offsets).to(device)
+        where = self.pool.locate(kind, torch.tensor(page_ids, dtype=torch.int64, device=device))
+        return where, torch.tensor(offsets, dtype=torch.int64, device=device)
 
-    def _init_reads(self, seq: SeqPages, kind: PageKind) -> _SeqReads:
+    def _init_reads(self, i: int, kind: PageKind) -> _SeqReads:
+        seq = self.seqs[i]
+        slots, (num_keys,) = self._key_slots(kind, [seq])
+        device = self.pool.device
+        first_pos = seq.seq_len - num_keys
+        # NOTE: the layout's window is the model's sliding_window, which AttentionSpec carries.
+        window = None if kind == PageKind.FULL else self.layout.window
+        k_pos = torch.arange(first_pos, seq.seq_len, device=device)
+        q_pos = torch.arange(seq.num_cached, seq.seq_len, device=device)
+        return _SeqReads(slots[0], visible_mask(q_pos, k_pos, window))
+
+    def _init_decode_reads(self, kind: PageKind) -> _DecodeReads:
+        slots, num_keys = self._key_slots(kind, [self.seqs[i] for i in self._decode_ids])
+        if min(num_keys) == slots.shape[1]:
+            return _DecodeReads(slots, None)
+        device = self.pool.device
+        col = torch.arange(slots.shape[1], device=device)
+        hidden = col >= torch.tensor(num_keys, device=device)[:, None]
+        return _DecodeReads(slots, hidden)
+
+    def _key_slots(
+        self, kind: PageKind, seqs: Sequence[SeqPages]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """[B, L] slot rows of each sequence's keys first_pos .. seq_len - 1, left-aligned (a
+        short row repeats its last key), and each row's number of keys."""
+        size, device = self.layout.page_size, self.pool.device
+        grid, starts, num_keys = [], [], []
+        for seq in seqs:
+            first_pos, first_page, read = self._read_pages(seq, kind)
+            grid.append(read)
+            starts.append(first_pos - first_page * size)  # first key's column in its page row
+            num_keys.append(seq.seq_len - first_pos)
+        width = max(len(row) for row in grid)
+        ids = torch.tensor([row + row[-1:] * (width - len(row)) for row in grid], device=device)
+        offsets = torch.arange(size, device=device)
+        rows = self.pool.slot_rows(kind, ids[:, :, None], offsets).view(len(seqs), -1)
+        start = torch.tensor(starts, device=device)[:, None]
+        last = start + torch.tensor(num_keys, device=device)[:, None] - 1
+        col = (start + torch.arange(max(num_keys), device=device)).minimum(last)
+        return rows.gather(1, col), num_keys
+
+    def _read_pages(self, seq: SeqPages, kind: PageKind) -> tuple[int, int, list[int]]:
+        """(first position read, first page read, the page ids read) for one sequence."""
         size, window = self.layout.page_size, self.layout.window
         first_pos = 0 if kind == PageKind.FULL else max(0, seq.num_cached - window)
         first_page, end_page = first_pos // size, num_pages(seq.seq_len, size)
-        pages = self._pages(seq, kind)
-        read = pages[first_page:end_page]
+        read = self._pages(seq, kind)[first_page:end_page]
         for i, page in enumerate(read, start=first_page):
             assert page is not None, (
                 f"{kind.name} page {i} (positions [{i * size}, {(i + 1) * size})) was released "
                 f"but a query at position {seq.num_cached} reads from position {first_pos}"
             )
-        ids = torch.tensor(read, dtype=torch.int64, device=self.pool.device)
-        return _SeqReads(page_ids=ids, first_pos=first_pos, page_start=first_page * size)
+        return first_pos, first_page, [page for page in read if page is not None]
 
     def _pages(self, seq: SeqPages, kind: PageKind) -> Sequence[int | None]:
         pages = seq.full_pages if kind == PageKind.FULL else seq.swa_pages

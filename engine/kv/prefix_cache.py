@@ -41,13 +41,31 @@ class Node:
     """One cached page. ``swa_page is None`` means its SWA KV was dropped (tombstone)."""
 
     __slots__ = (
-        "page_hash", "parent", "depth", "full_page", "swa_page", "num_children", "token_ids",
-        "full_refs", "swa_refs", "ckpt_refs", "is_ckpt_end", "retain_until",
-        "access", "swa_access", "alive",
+        "page_hash",
+        "parent",
+        "depth",
+        "full_page",
+        "swa_page",
+        "num_children",
+        "token_ids",
+        "full_refs",
+        "swa_refs",
+        "ckpt_refs",
+        "is_ckpt_end",
+        "retain_until",
+        "access",
+        "swa_access",
+        "alive",
     )
 
-    def __init__(self, page_hash: int, parent: Node | None, full_page: int,
-                 swa_page: int | None, token_ids: tuple[int, ...] | None) -> None:
+    def __init__(
+        self,
+        page_hash: int,
+        parent: Node | None,
+        full_page: int,
+        swa_page: int | None,
+        token_ids: tuple[int, ...] | None,
+    ) -> None:
         self.page_hash, self.parent = page_hash, parent
         self.depth = 0 if parent is None else parent.depth + 1
         self.full_page, self.swa_page, self.token_ids = full_page, swa_page, token_ids
@@ -68,8 +86,10 @@ class Node:
             node = node.parent
 
     def __repr__(self) -> str:
-        return (f"Node(depth={self.depth}, full={self.full_page}, swa={self.swa_page}, "
-                f"refs={self.full_refs}/{self.swa_refs}, ckpt={self.ckpt_refs})")
+        return (
+            f"Node(depth={self.depth}, full={self.full_page}, swa={self.swa_page}, "
+            f"refs={self.full_refs}/{self.swa_refs}, ckpt={self.ckpt_refs})"
+        )
 
 
 class MatchResult(NamedTuple):
@@ -150,8 +170,9 @@ class PrefixCache:
     def lookup(self, page_hash: int) -> Node | None:
         return self._index.get(page_hash)
 
-    def match(self, page_hashes: Sequence[int], max_tokens: int,
-              token_ids: Sequence[int] | None = None) -> MatchResult:
+    def match(
+        self, page_hashes: Sequence[int], max_tokens: int, token_ids: Sequence[int] | None = None
+    ) -> MatchResult:
         """Longest window-safe cached prefix of at most ``max_tokens`` tokens (no locks taken).
 
         ``token_ids``, when given, are checked against the cached pages' tokens (a hash collision
@@ -162,8 +183,11 @@ class PrefixCache:
         run = usable = 0
         for i, h in enumerate(page_hashes[: max_tokens // p]):
             node = self._index.get(h)
-            if node is None or (token_ids is not None and node.token_ids is not None
-                                and tuple(token_ids[i * p : (i + 1) * p]) != node.token_ids):
+            if node is None or (
+                token_ids is not None
+                and node.token_ids is not None
+                and tuple(token_ids[i * p : (i + 1) * p]) != node.token_ids
+            ):
                 break
             path.append(node)
             run = run + 1 if (node.swa_page is not None or not self.has_swa) else 0
@@ -180,8 +204,14 @@ class PrefixCache:
 
     # ---------------------------------------------------------------- mutations
 
-    def insert(self, parent: Node | None, page_hash: int, full_page: int, swa_page: int | None,
-               token_ids: tuple[int, ...] | None = None) -> Node:
+    def insert(
+        self,
+        parent: Node | None,
+        page_hash: int,
+        full_page: int,
+        swa_page: int | None,
+        token_ids: tuple[int, ...] | None = None,
+    ) -> Node:
         """Add one page under ``parent`` and pin it for the caller (``full_refs`` and, with an SWA
         page, ``swa_refs``); returns the node now in the tree.
 
@@ -197,8 +227,9 @@ class PrefixCache:
             elif swa_page is not None:
                 self.allocator.free(PageKind.SWA, [swa_page])
         else:
-            node = Node(page_hash, parent, full_page, swa_page,
-                        token_ids if self.keep_tokens else None)
+            node = Node(
+                page_hash, parent, full_page, swa_page, token_ids if self.keep_tokens else None
+            )
             if parent is not None:
                 parent.num_children += 1
             if self.enabled:
@@ -272,7 +303,7 @@ class PrefixCache:
         Returns the number of SWA pages freed. Full KV and checkpoints stay.
         """
         freed = 0
-        while (node := self._pop(self._swa_heap, lambda n: n.swa_access, self._is_history)):
+        while node := self._pop(self._swa_heap, lambda n: n.swa_access, self._is_history):
             self._drop_swa(node)
             freed += 1
         return freed
@@ -381,8 +412,10 @@ class PrefixCache:
         return n.alive and n.num_children == 0 and n.full_refs == 0 and n.swa_refs == 0
 
     def _is_ckpt(self, n: Node) -> bool:
-        return n.alive and n.is_ckpt_end and all(
-            a.swa_refs == 0 for a in n.ancestors(self.window_pages)
+        return (
+            n.alive
+            and n.is_ckpt_end
+            and all(a.swa_refs == 0 for a in n.ancestors(self.window_pages))
         )
 
     def _window_live(self, end: Node) -> bool:
@@ -412,8 +445,12 @@ class PrefixCache:
     def _push(self, heap: list[tuple[int, int, Node]], key: int, n: Node) -> None:
         heapq.heappush(heap, (key, next(self._seq), n))
 
-    def _peek(self, heap: list[tuple[int, int, Node]], key: Callable[[Node], int],
-              valid: Callable[[Node], bool]) -> tuple[int, int, Node] | None:
+    def _peek(
+        self,
+        heap: list[tuple[int, int, Node]],
+        key: Callable[[Node], int],
+        valid: Callable[[Node], bool],
+    ) -> tuple[int, int, Node] | None:
         while heap:
             k, _, n = heap[0]
             if k == key(n) and valid(n):
@@ -421,8 +458,12 @@ class PrefixCache:
             heapq.heappop(heap)  # stale entry
         return None
 
-    def _pop(self, heap: list[tuple[int, int, Node]], key: Callable[[Node], int],
-             valid: Callable[[Node], bool]) -> Node | None:
+    def _pop(
+        self,
+        heap: list[tuple[int, int, Node]],
+        key: Callable[[Node], int],
+        valid: Callable[[Node], bool],
+    ) -> Node | None:
         entry = self._peek(heap, key, valid)
         if entry is None:
             return None

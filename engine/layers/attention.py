@@ -70,14 +70,39 @@ def attention_with_sinks(
     vh = v.transpose(0, 1).repeat_interleave(rep, dim=0)  # [H, L, Dv]
     scores = torch.matmul(qh, kh.transpose(1, 2)) * scale
     scores = scores.masked_fill(~visible, float("-inf"))
-    if sinks is not None:
-        sink = sinks.reshape(-1, 1, 1).expand(-1, scores.shape[1], 1).to(scores.dtype)
-        scores = torch.cat([scores, sink], dim=-1)
-    scores = scores - scores.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)
-    if sinks is not None:
-        probs = probs[..., :-1]
+    probs = _softmax_with_sinks(scores, None if sinks is None else sinks.reshape(-1, 1, 1))
     return torch.matmul(probs.to(vh.dtype), vh).transpose(0, 1)
+
+
+def decode_attention_with_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    hidden: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """``attention_with_sinks`` for B sequences of one query each, every key visible but padding.
+
+    GQA without copies: the query heads of one KV head form the rows of one matmul against it.
+
+    Args:
+        q: [B, H, D]; k: [B, L, Hkv, D]; v: [B, L, Hkv, Dv] (may be strided views).
+        hidden: [B, L] bool, True where a key column is padding (its V must be finite: it gets
+            probability 0, and 0 * NaN is NaN), or None when no column is.
+    Returns:
+        [B, H, Dv]
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, rep, D]
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [B, Hkv, rep, L]
+    if hidden is not None:
+        scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
+    sink = None if sinks is None else sinks.view(1, num_kv_heads, -1, 1)
+    probs = _softmax_with_sinks(scores, sink)
+    out = torch.matmul(probs.to(v.dtype), v.permute(0, 2, 1, 3))  # [B, Hkv, rep, Dv]
+    return out.reshape(batch, num_heads, -1)
 
 
 def visible_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -123,3 +148,16 @@ class Attention(nn.Module):
         )
         out = kv.attend(q, k, v, spec)
         return self.o_proj(out.reshape(n, self.num_heads * self.v_head_dim))
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim with a sink logit column appended, then dropped.
+
+    ``sinks`` broadcasts against ``scores[..., :1]``.
+    """
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    scores = scores - scores.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)
+    return probs[..., :-1] if sinks is not None else probs

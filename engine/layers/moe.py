@@ -7,10 +7,15 @@ Routing, per token (DeepSeek-V3 "noaux_tc", no shared experts):
     groups   = top topk_group of n_group groups, a group scored by the sum of its top-2 choices
     experts  = top num_experts_per_tok of choice inside the chosen groups
     weights  = scores[experts] (/ their sum if norm_topk_prob) * routed_scaling_factor
+
+Expert weights live stacked ([E, 2I, H] gate+up, [E, H, I] down, as transformers fuses them); the
+per-expert parameters (the checkpoint's names) are views into them. A few tokens (decode) run
+every expert densely in three matmuls; more tokens (prefill) run each hit expert on its tokens.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -18,6 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.mlp import MLP
+
+# NOTE: below this many multiply-adds the dense path (every expert on every token) costs less than
+# one Python iteration per hit expert; the demo model's decode steps sit well under it, a
+# full-size MoE never reaches it.
+_DENSE_MAX_MACS = 2**22
 
 
 class Routing(NamedTuple):
@@ -79,6 +89,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(
             MLP(hidden_size, intermediate_size) for _ in range(num_experts)
         )
+        self.top_k = top_k
         self._route_kwargs = dict(
             top_k=top_k,
             n_group=n_group,
@@ -86,12 +97,23 @@ class MoE(nn.Module):
             norm_topk_prob=norm_topk_prob,
             routed_scaling_factor=routed_scaling_factor,
         )
+        macs_per_token = num_experts * 3 * intermediate_size * hidden_size
+        self._dense_max_tokens = _DENSE_MAX_MACS // macs_per_token
+        self._stack_experts()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [num_tokens, hidden]. Experts run one at a time over the tokens routed to them."""
+        """x: [num_tokens, hidden] -> [num_tokens, hidden]."""
         weights, expert_ids = route(
             x, self.gate.weight, self.gate.e_score_correction_bias, **self._route_kwargs
         )
+        if x.shape[0] <= self._dense_max_tokens:
+            return self._forward_dense(x, weights, expert_ids)
+        return self._forward_per_expert(x, weights, expert_ids)
+
+    def _forward_per_expert(
+        self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Experts run one at a time over the tokens routed to them (the reference's loop)."""
         out = torch.zeros_like(x)
         # NOTE: experts are visited in ascending id order and each contribution is rounded to the
         # model dtype before it is summed, as the reference does; bf16 results depend on it.
@@ -105,7 +127,53 @@ class MoE(nn.Module):
             if count == 0:
                 continue
             rows = token_ids[start : start + count]
-            y = self.experts[expert_id](x[rows]) * flat_weights[start : start + count, None]
+            y = self._expert(expert_id, x[rows]) * flat_weights[start : start + count, None]
             out.index_add_(0, rows, y.to(out.dtype))
             start += count
         return out
+
+    def _forward_dense(
+        self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Every expert on every token in three matmuls, then each token keeps its top_k.
+
+        Each kept output is the one the per-expert loop computes (same per-row matmuls; bitwise
+        in bf16, to float rounding in fp32), weighted, rounded and summed in the same order.
+        """
+        num_tokens, hidden = x.shape
+        num_experts, two_inter, _ = self._gate_up.shape
+        gate_up = F.linear(x, self._gate_up.view(-1, hidden)).view(num_tokens, num_experts, -1)
+        gate, up = gate_up.split(two_inter // 2, dim=-1)
+        act = (F.silu(gate) * up).transpose(0, 1)  # [E, T, I]
+        y = torch.bmm(act, self._down.transpose(1, 2))  # [E, T, H]
+        expert_ids, order = expert_ids.sort(dim=1)  # ascending id: the loop's summation order
+        tokens = torch.arange(num_tokens, device=x.device)[:, None]
+        picked = y[expert_ids, tokens] * weights.gather(1, order)[..., None]  # [T, k, H]
+        picked = picked.to(x.dtype)
+        out = picked[:, 0]
+        for j in range(1, self.top_k):
+            out = out + picked[:, j]
+        return out
+
+    def _expert(self, expert_id: int, x: torch.Tensor) -> torch.Tensor:
+        """One expert's SwiGLU with the fused gate+up matmul, as the reference computes it."""
+        gate, up = F.linear(x, self._gate_up[expert_id]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self._down[expert_id])
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MoE:
+        # NOTE: to(), to_empty(), float(), ... give every expert parameter new storage; stack them
+        # again so the per-expert parameters stay views of the stacked weights.
+        super()._apply(fn, recurse)
+        self._stack_experts()
+        return self
+
+    @torch.no_grad()
+    def _stack_experts(self) -> None:
+        experts = list(self.experts)
+        gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts])
+        down = torch.stack([e.down_proj.weight for e in experts])
+        inter = gate_up.shape[1] // 2
+        for e, gu, d in zip(experts, gate_up, down):
+            e.gate_proj.weight.data, e.up_proj.weight.data = gu[:inter], gu[inter:]
+            e.down_proj.weight.data = d
+        self._gate_up, self._down = gate_up, down  # [E, 2I, H], [E, H, I]
