@@ -8,7 +8,8 @@ Memory: a request is admitted only if its first chunk's pages can be had (evicti
 if needed). When a running decode cannot get a page, the lowest-priority, newest running request
 is preempted: its pages are released (completed pages stay in the prefix cache, so it usually
 resumes with a hit) and it goes back to the front of the queue. A request that cannot fit even
-with nothing else running fails with ``finish_reason="error"`` instead of waiting forever.
+with nothing else running fails with ``finish_reason="error"`` instead of waiting forever; alone, a
+prefill chunk shrinks to what fits before that.
 """
 
 from __future__ import annotations
@@ -78,15 +79,18 @@ class Scheduler:
         """Pick this step's work. Returns (scheduled, failed): failed requests never fit."""
         budget = self.max_tokens
         batch: list[Scheduled] = []
+        failed: list[Sequence] = []
         # decodes first (one token each), then prefill chunks; by priority within each
         for seq in sorted(self.running, key=lambda s: (s.num_uncomputed > 1, *_priority_key(s))):
             if budget == 0 or seq not in self.running:
                 continue
-            n = min(seq.num_uncomputed, budget)
-            if self._reserve_running(seq, n, batch):
+            n = self._reserve_running(seq, min(seq.num_uncomputed, budget), batch)
+            if n:
                 batch.append(Scheduled(seq, n))
                 budget -= n
-        failed = self._admit(batch, budget)
+            elif seq.is_finished:
+                failed.append(seq)
+        failed += self._admit(batch, budget)
         return batch, failed
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -97,16 +101,43 @@ class Scheduler:
 
     # ------------------------------------------------------------------ internals
 
-    def _reserve_running(self, seq: Sequence, n: int, batch: list[Scheduled]) -> bool:
+    def _reserve_running(self, seq: Sequence, n: int, batch: list[Scheduled]) -> int:
+        """Reserve pages for up to ``n`` tokens of a running request, preempting others if needed.
+
+        Returns the tokens reserved; 0 when ``seq`` was preempted or failed (``is_finished``).
+        """
         while not self.kv.can_reserve(seq, n):
+            if self.running == [seq]:
+                # NOTE: nothing else holds memory and the cache gave up all it could. Preempting
+                # the request itself would only bring it back to this very point (a livelock);
+                # a smaller prefill chunk may still fit, and if not even one token does, the
+                # request can never finish.
+                n = self._fitting_len(seq, n)
+                if n == 0:
+                    self.running.remove(seq)
+                    self.kv.release(seq)
+                    self._finish(seq, "error")
+                    return 0
+                break
             victim = self._preemption_victim(exclude={s.seq for s in batch})
             if victim is None:
-                return False
+                return 0
             self._preempt(victim)
             if victim is seq:
-                return False
+                return 0
         self.kv.reserve(seq, n)
-        return True
+        return n
+
+    def _fitting_len(self, seq: Sequence, n: int) -> int:
+        """The most tokens, at most ``n``, whose pages can be had (0 if not even one)."""
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.kv.can_reserve(seq, mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _admit(self, batch: list[Scheduled], budget: int) -> list[Sequence]:
         failed: list[Sequence] = []
@@ -116,13 +147,18 @@ class Scheduler:
             self.kv.admit(seq)
             n = min(seq.num_uncomputed, budget)
             if not self.kv.can_reserve(seq, n):
-                self.kv.release(seq)
-                if not self.running and not batch:
+                if self.running or batch:
+                    self.kv.release(seq)
+                    break  # head of line waits for memory (no starvation of big requests)
+                # NOTE: alone, a first chunk smaller than the token budget may fit (its SWA pages
+                # grow with the chunk); fail only when not even one token does.
+                n = self._fitting_len(seq, n)
+                if n == 0:
+                    self.kv.release(seq)
                     self.waiting.pop(0)
                     self._finish(seq, "error")
                     failed.append(seq)
                     continue
-                break  # head of line waits for memory (no starvation of big requests)
             self.waiting.pop(0)
             self.kv.reserve(seq, n)
             seq.status = Status.RUNNING

@@ -54,7 +54,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_computed: int = 0
-    num_cached: int = 0  # prompt tokens served by the prefix cache (last admission)
+    num_cached: int = 0  # prompt tokens served by the prefix cache (first admission)
     num_preemptions: int = 0
     arrival: int = field(default_factory=lambda: next(_arrival))
     # KV page table

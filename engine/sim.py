@@ -3,7 +3,7 @@
 No tensors, so a laptop can replay a production trace against many workers. Step time is
 
     t = step_overhead_s + prefill_s_per_token * prefill tokens
-        + decode_s_per_token * decode tokens + attn_s_per_token_read * KV tokens attended
+        + decode_s_per_token * decode tokens + attn_s_per_qk * (query, key) pairs attended
 
 Sampled tokens are a deterministic function of (request id, position), never a stop token, so a
 request runs to ``max_new_tokens`` (trace replays set it to the recorded output length).
@@ -24,23 +24,24 @@ from engine.scheduler import Scheduled
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Seconds per step; the defaults were fitted to the native backend on the demo model (CPU)."""
+    """Seconds per step. Defaults: fitted to the native backend on the demo model, CPU, one thread
+    (``python loadtest/calibrate_sim.py``: 148 steps, 11% total error, 6% median per step)."""
 
-    step_overhead_s: float = 4e-3
-    prefill_s_per_token: float = 8e-5
-    decode_s_per_token: float = 1.5e-3
-    attn_s_per_token_read: float = 2e-8
+    step_overhead_s: float = 4.4e-3
+    prefill_s_per_token: float = 3.6e-5
+    decode_s_per_token: float = 1.31e-4
+    attn_s_per_qk: float = 3.0e-7
 
-    def step_time(self, prefill_tokens: int, decode_tokens: int, kv_tokens_read: int) -> float:
+    def step_time(self, prefill_tokens: int, decode_tokens: int, qk_pairs: int) -> float:
         return (self.step_overhead_s + self.prefill_s_per_token * prefill_tokens
                 + self.decode_s_per_token * decode_tokens
-                + self.attn_s_per_token_read * kv_tokens_read)
+                + self.attn_s_per_qk * qk_pairs)
 
 
 # An H200-class GPU serving a MiMo-V2.5-Pro-sized MoE (TP8): prefill ~20k tok/s per GPU group,
 # ~30 ms per decode step at moderate batch (published figures for similar 300B-class MoE models).
 H200_COST = CostModel(step_overhead_s=2.5e-2, prefill_s_per_token=5e-5, decode_s_per_token=1e-4,
-                      attn_s_per_token_read=1e-9)
+                      attn_s_per_qk=1e-10)
 ZERO_COST = CostModel(0.0, 0.0, 0.0, 0.0)
 COST_PRESETS = {"cpu": CostModel(), "h200": H200_COST, "zero": ZERO_COST}
 
@@ -57,7 +58,8 @@ class SimRunner:
     def run(self, batch: Sequence[Scheduled], pages: Sequence[SeqPages]) -> SampleOutput | None:
         prefill = sum(s.query_len for s in batch if s.query_len > 1)
         decode = sum(s.query_len for s in batch if s.query_len == 1)
-        read = sum(p.seq_len for p in pages)
+        # attention work: every query token attends to the keys before it (quadratic in prefill)
+        read = sum(s.query_len * p.seq_len for s, p in zip(batch, pages))
         self.last_step_s = self.cost.step_time(prefill, decode, read)
         self.clock_s += self.last_step_s
         sampling = [s.seq for s in batch if s.samples]

@@ -2,7 +2,7 @@
 
 Runs the native engine on prefill-only and decode-only batches of several sizes, records each
 step's wall time with the tokens and KV positions it touched, and least-squares fits
-``t = overhead + a * prefill_tokens + b * decode_tokens + c * kv_tokens_read``. Prints the fit,
+``t = overhead + a * prefill_tokens + b * decode_tokens + c * (query, key) pairs``. Prints the fit,
 the sim's prediction next to the measurement, and the CostModel(...) line for engine/sim.py.
 
     python loadtest/calibrate_sim.py
@@ -42,22 +42,36 @@ def main() -> None:
                 rows.append(_timed_step(eng))
     x = np.array([[1.0, p, d, r] for p, d, r, _ in rows])
     t = np.array([row[3] for row in rows])
-    coef, *_ = np.linalg.lstsq(x, t, rcond=None)
-    coef = np.maximum(coef, 0.0)
+    # NOTE: weighted by 1/t: relative error per step, so 100 small decode steps count as much
+    # as the few long prefill steps
+    coef = _nonnegative_lstsq(x / t[:, None], np.ones_like(t))
     model = CostModel(*map(float, coef))
     pred = np.array([model.step_time(p, d, r) for p, d, r, _ in rows])
     err = np.abs(pred - t).sum() / t.sum()
+    rel = float(np.median(np.abs(pred - t) / t))
     print(f"{len(rows)} steps measured; total {t.sum():.2f} s, sim predicts {pred.sum():.2f} s "
-          f"(mean abs error {err:.1%} of the total)")
+          f"(abs error {err:.1%} of the total, median per-step error {rel:.1%})")
     print(f"CostModel(step_overhead_s={coef[0]:.3g}, prefill_s_per_token={coef[1]:.3g}, "
-          f"decode_s_per_token={coef[2]:.3g}, attn_s_per_token_read={coef[3]:.3g})")
+          f"decode_s_per_token={coef[2]:.3g}, attn_s_per_qk={coef[3]:.3g})")
+
+
+def _nonnegative_lstsq(x: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients >= 0: refit without the most negative one until none is."""
+    active = list(range(x.shape[1]))
+    while True:
+        sol, *_ = np.linalg.lstsq(x[:, active], t, rcond=None)
+        if (sol >= 0).all():
+            coef = np.zeros(x.shape[1])
+            coef[active] = sol
+            return coef
+        active.pop(int(np.argmin(sol)))
 
 
 def _timed_step(eng: Engine) -> tuple[int, int, int, float]:
     batch, _ = eng.scheduler.schedule()
     prefill = sum(s.query_len for s in batch if s.query_len > 1)
     decode = sum(s.query_len for s in batch if s.query_len == 1)
-    read = sum(s.seq.num_computed + s.query_len for s in batch)
+    read = sum(s.query_len * (s.seq.num_computed + s.query_len) for s in batch)
     start = time.perf_counter()
     eng.run_scheduled(batch)
     return prefill, decode, read, time.perf_counter() - start

@@ -54,7 +54,12 @@ class KVManager:
             for node in seq.path[first:] if self.has_swa else ():
                 self.cache.pin(node, full=False, swa=True)
                 seq.swa_pinned.append(node)
-        seq.num_computed = seq.num_cached = m.usable_tokens
+        seq.num_computed = m.usable_tokens
+        if seq.num_preemptions == 0:
+            # NOTE: num_cached is what the cache saved this request (cached_tokens to clients,
+            # hit rates in benchmarks). A resume after preemption mostly hits the request's own
+            # pages, prompt and output, which it computed itself: keep the first admission's.
+            seq.num_cached = m.usable_tokens
         return m.usable_tokens
 
     # ------------------------------------------------------------------ one step

@@ -412,11 +412,10 @@ class PrefixCache:
         return n.alive and n.num_children == 0 and n.full_refs == 0 and n.swa_refs == 0
 
     def _is_ckpt(self, n: Node) -> bool:
-        return (
-            n.alive
-            and n.is_ckpt_end
-            and all(a.swa_refs == 0 for a in n.ancestors(self.window_pages))
-        )
+        # NOTE: demotable even while a running request pins some of its window: demotion only
+        # drops the checkpoint refs, pinned pages stay until unpinned (then they are history).
+        # Skipping pinned ones here would pop them off the heap for good (nothing re-offers them).
+        return n.alive and n.is_ckpt_end
 
     def _window_live(self, end: Node) -> bool:
         return all(a.swa_page is not None for a in end.ancestors(self.window_pages))
