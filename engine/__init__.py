@@ -10,6 +10,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.engine import Engine
     from engine.llm import LLM, RequestOutput
     from engine.model_config import ConfigError, ModelConfig
     from engine.models.loader import CheckpointError
@@ -19,6 +21,8 @@ __all__ = [
     "LLM",
     "CheckpointError",
     "ConfigError",
+    "Engine",
+    "EngineConfig",
     "ModelConfig",
     "RequestOutput",
     "SamplingParams",
@@ -26,6 +30,8 @@ __all__ = [
 
 _LAZY = {
     "LLM": "engine.llm",
+    "Engine": "engine.engine",
+    "EngineConfig": "engine.config",
     "RequestOutput": "engine.llm",
     "SamplingParams": "engine.sampling_params",
     "ModelConfig": "engine.model_config",

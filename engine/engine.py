@@ -24,8 +24,6 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduled, Scheduler
 from engine.sequence import Sequence
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
 
 class Runner(Protocol):
     def run(self, batch: list[Scheduled], pages: list[SeqPages]) -> SampleOutput | None: ...
