@@ -1,0 +1,233 @@
+"""PromptCache: tokens once. Agent frameworks resend the whole conversation every turn; keep the
+rendered token ids of recent conversations, keyed by a chained hash of their messages, so that a
+request extending a known conversation renders and tokenizes only its new messages.
+
+How a hit at message j (messages[:j] cached, n messages sent) is rendered:
+
+    | piece        | text                                                  | token ids        |
+    |--------------|-------------------------------------------------------|------------------|
+    | prefix       | render(messages[:j], gen=False)                       | cached, reused   |
+    | body         | render(anchor + messages[j:], gen=False)[len(a0):]    | encode(body)     |
+    | gen prompt   | render(anchor + messages[j:], gen=True)[len(a1):]     | encode(gen)      |
+
+where anchor = [messages[0], messages[j-1]] (one of them when j == 1) gives the template the
+context it reads (the system message, the previous message's role) and a0 = render(anchor,
+gen=False). The prefix render is never redone, so the template renders O(system + new messages)
+characters a turn, not O(history).
+
+Two properties of the template make this exact, and both are checked rather than assumed:
+- prefix stability (render(anchor) is a prefix of render(anchor + new), a check on every request)
+  and anchor sufficiency (the pieces equal a full render): the first request of each kind (hit or
+  miss, with or without tools) is compared with `Tokenizer.encode_chat` and, if it differs, that
+  kind always falls back to a full render from then on;
+- tokenization boundaries: the pieces are tokenized separately, which equals tokenizing their
+  concatenation only where no BPE merge or pre-tokenizer split crosses a cut. Each cut must touch
+  an added token that strips no whitespace (ChatML's <|im_start|>, <|im_end|>, </tool_response>):
+  added tokens are split out before the model runs, so nothing merges across them. Otherwise the
+  request falls back to a full encode.
+
+Not thread-safe: the gateway calls it from its event loop.
+"""
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import msgspec
+import xxhash
+
+from gateway.tokenizer import Tokenizer
+from gateway.tokenizer.template import Message
+
+_JSON = msgspec.json.Encoder(order="sorted")
+
+
+class EncodedPrompt(NamedTuple):
+    token_ids: list[int]
+    reused_tokens: int  # leading token ids taken from the cache, not tokenized again
+    rendered_chars: int  # characters the chat template rendered for this request
+
+
+@dataclass(slots=True)
+class PromptCacheStats:
+    hits: int = 0
+    misses: int = 0
+    fallbacks: int = 0  # requests rendered and tokenized in full because a check failed
+    reused_tokens: int = 0
+    evictions: int = 0
+
+
+class PromptCache:
+    """Token ids of recent conversations, bounded by `max_entries` and by `max_tokens` stored
+    (least recently used first out). Tenants with different `cache_salt` never share entries;
+    different `tools` (or another chat template) never share entries either."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, max_entries: int = 10_000, max_tokens: int = 50_000_000
+    ) -> None:
+        assert max_entries > 0 and max_tokens > 0, f"{max_entries=}, {max_tokens=}: must be > 0"
+        self._tokenizer = tokenizer
+        self.max_entries = max_entries
+        self.max_tokens = max_tokens
+        template = (tokenizer.chat_template or "").encode()
+        self._template_hash = xxhash.xxh3_64_intdigest(template)
+        added = tokenizer.backend.get_added_tokens_decoder()
+        self._cut_ids = frozenset(i for i, t in added.items() if not (t.lstrip or t.rstrip))
+        self._entries: OrderedDict[int, list[int]] = OrderedDict()
+        self._num_tokens = 0
+        self._verified: set[tuple[bool, bool]] = set()  # (has_tools, is_hit) checked once
+        self._unstable: set[bool] = set()  # has_tools values that always render in full
+        self.stats = PromptCacheStats()
+
+    def encode(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        cache_salt: str | None = None,
+    ) -> EncodedPrompt:
+        """Token ids of the conversation with the generation prompt, exactly
+        `tokenizer.encode_chat(messages, tools, add_generation_prompt=True)`.
+
+        Raises what the template raises (jinja2.TemplateError, ValueError without a template),
+        and TypeError / msgspec.EncodeError for a message that is not JSON-like.
+        """
+        has_tools = bool(tools)
+        if not messages or has_tools in self._unstable:
+            return self._full(messages, tools, count_fallback=bool(messages))
+        hashes = message_hashes(self._seed(tools, cache_salt), messages)
+        num_cached, prefix_ids = self._longest_prefix(hashes)
+        pieces = self._render(messages, tools, num_cached, prefix_ids)
+        if pieces is None:
+            return self._full(messages, tools, count_fallback=True)
+        body_ids, gen_ids, rendered_chars = pieces
+        token_ids = [*prefix_ids, *body_ids, *gen_ids]
+        kind = (has_tools, num_cached > 0)
+        if kind not in self._verified and not self._verify(kind, messages, tools, token_ids):
+            return self._full(messages, tools, count_fallback=True)
+        self._count(num_cached, len(prefix_ids))
+        self._store(hashes, num_cached, [*prefix_ids, *body_ids])
+        return EncodedPrompt(token_ids, len(prefix_ids), rendered_chars)
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._entries)
+
+    @property
+    def num_tokens(self) -> int:
+        """Token ids held over all entries."""
+        return self._num_tokens
+
+    def _seed(self, tools: Sequence[Mapping[str, Any]] | None, cache_salt: str | None) -> int:
+        identity = _JSON.encode([self._template_hash, tools, cache_salt])
+        return xxhash.xxh3_64_intdigest(identity)
+
+    def _longest_prefix(self, hashes: list[int]) -> tuple[int, list[int]]:
+        for num_messages in range(len(hashes), 0, -1):
+            prefix_ids = self._entries.get(hashes[num_messages - 1])
+            if prefix_ids is not None:
+                return num_messages, prefix_ids
+        return 0, []
+
+    def _render(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Mapping[str, Any]] | None,
+        num_cached: int,
+        prefix_ids: list[int],
+    ) -> tuple[list[int], list[int], int] | None:
+        """(body_ids, gen_ids, rendered_chars), or None where a prefix or cut check fails."""
+        anchor = _anchor(messages, num_cached)
+        render = self._tokenizer.apply_chat_template
+        anchor_text = render(anchor, tools, add_generation_prompt=False) if anchor else ""
+        new = [*anchor, *messages[num_cached:]]
+        has_new = num_cached < len(messages)
+        body_text = render(new, tools, add_generation_prompt=False) if has_new else anchor_text
+        gen_text = render(new, tools, add_generation_prompt=True)
+        if not (body_text.startswith(anchor_text) and gen_text.startswith(body_text)):
+            return None
+        rendered_chars = len(gen_text) + len(body_text) * has_new + len(anchor_text)
+        body_ids = self._tokenizer.encode(body_text[len(anchor_text) :])
+        gen_ids = self._tokenizer.encode(gen_text[len(body_text) :])
+        if not self._are_safe_cuts([prefix_ids, body_ids, gen_ids]):
+            return None
+        return body_ids, gen_ids, rendered_chars
+
+    def _are_safe_cuts(self, pieces: list[list[int]]) -> bool:
+        nonempty = [p for p in pieces if p]
+        pairs = zip(nonempty, nonempty[1:], strict=False)
+        return all(left[-1] in self._cut_ids or right[0] in self._cut_ids for left, right in pairs)
+
+    def _verify(
+        self,
+        kind: tuple[bool, bool],
+        messages: Sequence[Message],
+        tools: Sequence[Mapping[str, Any]] | None,
+        token_ids: list[int],
+    ) -> bool:
+        if self._tokenizer.encode_chat(messages, tools, add_generation_prompt=True) == token_ids:
+            self._verified.add(kind)
+            return True
+        self._unstable.add(kind[0])
+        return False
+
+    def _full(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Mapping[str, Any]] | None,
+        *,
+        count_fallback: bool,
+    ) -> EncodedPrompt:
+        text = self._tokenizer.apply_chat_template(messages, tools, add_generation_prompt=True)
+        self.stats.misses += 1
+        self.stats.fallbacks += count_fallback
+        return EncodedPrompt(self._tokenizer.encode(text), 0, len(text))
+
+    def _count(self, num_cached: int, reused_tokens: int) -> None:
+        if num_cached:
+            self.stats.hits += 1
+            self.stats.reused_tokens += reused_tokens
+        else:
+            self.stats.misses += 1
+
+    def _store(self, hashes: list[int], num_cached: int, token_ids: list[int]) -> None:
+        key = hashes[-1]
+        if num_cached == len(hashes):  # the same conversation again: just refresh it
+            self._entries.move_to_end(key)
+            return
+        if num_cached:
+            # NOTE: the prefix just extended is demoted to least recently used rather than
+            # dropped: its extension is what the next turn will hit, but a branch off the same
+            # prefix (a retry, a sub-agent) can still find it until memory runs short.
+            self._entries.move_to_end(hashes[num_cached - 1], last=False)
+        if len(token_ids) > self.max_tokens:
+            return
+        self._entries[key] = token_ids
+        self._num_tokens += len(token_ids)
+        self._evict()
+
+    def _evict(self) -> None:
+        while len(self._entries) > self.max_entries or self._num_tokens > self.max_tokens:
+            _, token_ids = self._entries.popitem(last=False)
+            self._num_tokens -= len(token_ids)
+            self.stats.evictions += 1
+
+
+def message_hashes(seed: int, messages: Sequence[Message]) -> list[int]:
+    """Chained xxh3_64: hash i covers hash i-1 (the seed for i == 0) and message i's canonical
+    JSON (sorted keys), so equal hashes mean equal conversations up to and including i."""
+    hashes: list[int] = []
+    prev = seed
+    for message in messages:
+        prev = xxhash.xxh3_64_intdigest(prev.to_bytes(8, "little") + _JSON.encode(message))
+        hashes.append(prev)
+    return hashes
+
+
+def _anchor(messages: Sequence[Message], num_cached: int) -> list[Message]:
+    """The cached messages the template must see again to render messages[num_cached:]."""
+    if num_cached == 0:
+        return []
+    if num_cached == 1:
+        return [messages[0]]
+    return [messages[0], messages[num_cached - 1]]
