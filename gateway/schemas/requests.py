@@ -1,0 +1,231 @@
+"""OpenAI-compatible HTTP bodies as msgspec Structs, their decoders, and the one mapping from
+OpenAI sampling fields to the worker's ``SamplingSpec``.
+
+Unknown fields:
+
+| struct                          | unknown fields | why                                       |
+|---------------------------------|----------------|-------------------------------------------|
+| ChatCompletionRequest,          | rejected       | a misspelled `max_tokens` would otherwise |
+| CompletionRequest, Tool,        |                | be silently ignored; the OpenAI fields we |
+| FunctionDef, tool_choice,       |                | accept and ignore (`user`, `metadata`,    |
+| response_format, stream_options |                | `store`, ...) are declared fields         |
+| messages, tool calls, parts     | ignored        | clients echo response messages back       |
+|                                 |                | verbatim, with `refusal`, `annotations`   |
+
+A required field missing from a message (a tool message without ``tool_call_id``) is still an
+error. Range checks the type system cannot express live in ``_check_*``; every failure is a
+``RequestError`` naming the parameter path (``messages[0].role``). Pure msgspec: no litestar, no
+torch.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from engine.sampling_params import MAX_LOGPROBS
+
+MAX_STOP_STRINGS = 4
+_Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+_TokenId = Annotated[int, Meta(ge=0)]
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter"]
+
+
+
+
+# --- request parts ---------------------------------------------------------------------------
+
+
+class TextPart(msgspec.Struct, tag="text", tag_field="type", frozen=True, kw_only=True):
+    text: str
+
+
+# NOTE: a one-member tagged union, so that an image part fails at `content[0].type` with the
+# unsupported value rather than as a missing `text`.
+ContentPart = TextPart
+Content = str | list[ContentPart]
+
+
+class FunctionCall(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
+class SystemMessage(msgspec.Struct, tag="system", tag_field="role", frozen=True, kw_only=True):
+    content: Content
+    name: str | None = None
+
+
+class DeveloperMessage(
+    msgspec.Struct, tag="developer", tag_field="role", frozen=True, kw_only=True
+):
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(msgspec.Struct, tag="user", tag_field="role", frozen=True, kw_only=True):
+    content: Content
+    name: str | None = None
+
+
+class AssistantMessage(
+    msgspec.Struct, tag="assistant", tag_field="role", frozen=True, kw_only=True, omit_defaults=True
+):
+    content: Content | None = None
+    tool_calls: list[ToolCall] | None = None
+    name: str | None = None
+    reasoning_content: str | None = None
+
+
+class ToolMessage(msgspec.Struct, tag="tool", tag_field="role", frozen=True, kw_only=True):
+    content: Content
+    tool_call_id: str
+
+
+Message = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage
+
+
+class FunctionDef(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] = {}  # a JSON schema; OpenAI treats absent as "no arguments"
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    function: FunctionDef
+    type: Literal["function"] = "function"
+
+
+class NamedFunction(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
+ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
+
+
+class ResponseFormatText(
+    msgspec.Struct, tag="text", tag_field="type", frozen=True, forbid_unknown_fields=True
+):
+    pass
+
+
+class ResponseFormatJsonObject(
+    msgspec.Struct, tag="json_object", tag_field="type", frozen=True, forbid_unknown_fields=True
+):
+    pass
+
+
+class JsonSchemaSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormatJsonSchema(
+    msgspec.Struct,
+    tag="json_schema",
+    tag_field="type",
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+):
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema
+
+
+class StreamOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+_Stop = str | Annotated[list[str], Meta(max_length=MAX_STOP_STRINGS)] | None
+_MaxTokens = Annotated[int, Meta(ge=1)] | None
+_Temperature = Annotated[float, Meta(ge=0, le=2)] | None
+_TopP = Annotated[float, Meta(gt=0, le=1)] | None
+_Penalty = Annotated[float, Meta(ge=-2, le=2)] | None
+
+
+class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/chat/completions``. ``user``, ``metadata``, ``store``, ``service_tier`` and
+    ``parallel_tool_calls`` are accepted and ignored; penalties are accepted only as 0."""
+
+    model: str
+    messages: list[Message]
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    response_format: ResponseFormat | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: _MaxTokens = None
+    max_completion_tokens: _MaxTokens = None
+    temperature: _Temperature = None
+    top_p: _TopP = None
+    seed: _Int64 | None = None
+    stop: _Stop = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    n: int | None = None
+    presence_penalty: _Penalty = None
+    frequency_penalty: _Penalty = None
+    parallel_tool_calls: bool | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return _stop_strings(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/completions``: one prompt, as text or token ids; ``echo`` must be false."""
+
+    model: str
+    prompt: str | list[_TokenId]
+    max_tokens: _MaxTokens = None
+    temperature: _Temperature = None
+    top_p: _TopP = None
+    seed: _Int64 | None = None
+    stop: _Stop = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    n: int | None = None
+    presence_penalty: _Penalty = None
+    frequency_penalty: _Penalty = None
+    user: str | None = None
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return _stop_strings(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
