@@ -5,6 +5,8 @@
                                       print a completion (the demo model by default)
     agentgate worker --listen tcp://HOST:PORT --events tcp://HOST:PORT [--model DIR] ...
                                       serve one engine over ZeroMQ (``agentgate worker -h``)
+    agentgate serve [--model DIR] [--workers N] [--worker tcp://...] [--host H] [--port P]
+                                      the OpenAI-compatible gateway over N worker subprocesses
 
 Heavy modules (torch, the engine) are imported inside the commands, so ``agentgate --help`` and
 the gateway process stay light.
@@ -123,6 +125,20 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return worker_main(args.extra, prog="agentgate worker")
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from gateway.serve import ServeError, serve
+
+    model_dir = Path(args.model) if args.model else ensure_demo_model(default_model_dir())
+    num_workers = args.workers if args.workers is not None else (0 if args.worker else 1)
+    if num_workers < 0 or not (num_workers or args.worker):
+        raise CliError("need --workers >= 1 or at least one --worker endpoint")
+    try:
+        return serve(model_dir=model_dir, num_workers=num_workers, attach=args.worker,
+                     host=args.host, port=args.port, backend=args.backend)
+    except ServeError as e:
+        raise CliError(str(e)) from None
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentgate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"agentgate {_version()}")
@@ -152,6 +168,18 @@ def _build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", add_help=False, help="serve one engine over ZeroMQ "
                             "(flags: agentgate worker -h)")
     worker.set_defaults(func=_cmd_worker, forward_args=True)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible gateway and its workers")
+    serve.add_argument("--model", help="model directory (default: the demo model)")
+    serve.add_argument("--workers", type=int, default=None,
+                       help="worker subprocesses to start (default 1, 0 with --worker)")
+    serve.add_argument("--worker", action="append", default=[], metavar="tcp://HOST:PORT",
+                       help="attach to a worker started elsewhere (repeatable)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--backend", choices=("native", "sim"), default="native",
+                       help="backend of the spawned workers")
+    serve.set_defaults(func=_cmd_serve)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""HTTP controllers, one per resource; ``gateway.app.create_app`` lists them."""

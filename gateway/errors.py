@@ -1,0 +1,77 @@
+"""Every error the gateway answers with, mapped to HTTP once: an OpenAI error JSON
+(``{"error": {"message", "type", "param", "code"}}``) with a 4xx for what the client must fix and
+a 5xx only for the gateway's or the workers' trouble. Passed to ``Litestar(exception_handlers=)``.
+
+    | error                                  | status | type                  |
+    |----------------------------------------|--------|-----------------------|
+    | RequestError                           | .status (400, 404, 413) | invalid_request_error |
+    | WorkerError invalid_request            | 400    | invalid_request_error |
+    | WorkerError context_too_long           | 400 (param "messages")  | invalid_request_error |
+    | WorkerError overloaded                 | 429 + Retry-After | rate_limit_error |
+    | NoWorkerAvailable                      | 503    | service_unavailable   |
+    | DispatchTimeout                        | 504    | timeout               |
+    | other DispatchError (dead worker, ...) | 502    | server_error          |
+    | litestar HTTPException (404, 405, 413) | its own | invalid_request_error |
+    | anything else                          | 500    | server_error          |
+"""
+
+import logging
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException
+from litestar.types import ExceptionHandlersMap
+
+from gateway.dispatch import DispatchError, DispatchTimeout, NoWorkerAvailable, WorkerError
+from gateway.schemas import ErrorBody, RequestError, error_body
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+
+
+def _json(
+    body: ErrorBody, status: int, headers: dict[str, str] | None = None
+) -> Response[ErrorBody]:
+    return Response(body, status_code=status, headers=headers, media_type="application/json")
+
+
+def request_error(_: Request, exc: RequestError) -> Response[ErrorBody]:
+    return _json(exc.to_body(), exc.status)
+
+
+def dispatch_error(_: Request, exc: DispatchError) -> Response[ErrorBody]:
+    """The table above, for every ``DispatchError``."""
+    if isinstance(exc, WorkerError) and exc.code in ("invalid_request", "context_too_long"):
+        param = "messages" if exc.code == "context_too_long" else None
+        return _json(error_body(exc.message, param=param, code=exc.code), 400)
+    if isinstance(exc, WorkerError) and exc.code == "overloaded":
+        body = error_body(exc.message, type="rate_limit_error", code="overloaded")
+        return _json(body, 429, {"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, NoWorkerAvailable):
+        return _json(error_body(str(exc), type="service_unavailable"), 503)
+    if isinstance(exc, DispatchTimeout):
+        return _json(error_body(str(exc), type="timeout"), 504)
+    logger.warning("dispatch failed: %s", exc)
+    return _json(error_body(str(exc), type="server_error"), 502)
+
+
+def http_error(_: Request, exc: HTTPException) -> Response[ErrorBody]:
+    """Litestar's own (unknown route 404, wrong method 405, body over the limit 413)."""
+    param = None
+    if exc.status_code == 413:
+        param = "body"
+    type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return _json(error_body(exc.detail, type=type_, param=param), exc.status_code, exc.headers)
+
+
+def internal_error(_: Request, exc: Exception) -> Response[ErrorBody]:
+    logger.exception("unhandled error", exc_info=exc)
+    return _json(error_body("internal server error", type="server_error"), 500)
+
+
+ERROR_HANDLERS: ExceptionHandlersMap = {
+    RequestError: request_error,
+    DispatchError: dispatch_error,
+    HTTPException: http_error,
+    Exception: internal_error,
+}

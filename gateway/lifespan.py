@@ -1,0 +1,82 @@
+"""One lifespan per resource the app holds on ``app.state``: the model (tokenizer, prompt cache,
+context length) and the dispatcher over the workers. Each is opened at startup and closed at
+shutdown; nothing lives in module globals."""
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from litestar import Litestar
+from litestar.datastructures import State
+
+from gateway.dispatch import Dispatcher, DispatchError, WorkerClient
+from gateway.prompt_cache import PromptCache
+from gateway.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_CONTEXT = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelState:
+    """What the handlers need to know about the served model."""
+
+    name: str
+    tokenizer: Tokenizer
+    prompt_cache: PromptCache
+    max_context: int  # prompt + completion tokens, from config.json max_position_embeddings
+
+
+def load_model(model_dir: Path, name: str | None = None) -> ModelState:
+    tokenizer = Tokenizer.from_dir(model_dir)
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    max_context = int(config.get("max_position_embeddings", DEFAULT_MAX_CONTEXT))
+    return ModelState(name or model_dir.name, tokenizer, PromptCache(tokenizer), max_context)
+
+
+@asynccontextmanager
+async def model_lifespan(app: Litestar) -> AsyncIterator[None]:
+    cfg = app.state.cfg
+    app.state.model = await asyncio.to_thread(load_model, cfg.model_dir, cfg.model_name)
+    try:
+        yield
+    finally:
+        del app.state.model
+
+
+@asynccontextmanager
+async def dispatcher_lifespan(app: Litestar) -> AsyncIterator[None]:
+    """Connect a ``WorkerClient`` per endpoint; one that does not answer stays dead (``/ready``
+    tells), the gateway still starts."""
+    clients = [WorkerClient(endpoint) for endpoint in app.state.cfg.workers]
+    await asyncio.gather(*(_connect(c) for c in clients))
+    app.state.dispatcher = Dispatcher(clients)
+    try:
+        yield
+    finally:
+        for client in clients:
+            client.close()
+        del app.state.dispatcher
+
+
+async def _connect(client: WorkerClient) -> None:
+    try:
+        welcome = await client.connect()
+    except DispatchError as exc:
+        logger.warning("worker %s unavailable: %s", client.endpoint, exc)
+        return
+    logger.info("connected to worker %s at %s", welcome.worker_id, client.endpoint)
+
+
+def provide_model(state: State) -> ModelState:
+    return state.model
+
+
+def provide_dispatcher(state: State) -> Dispatcher:
+    return state.dispatcher

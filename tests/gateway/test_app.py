@@ -1,0 +1,309 @@
+"""The gateway app (``create_app``) against a real sim worker subprocess (``--cost zero``) and the
+demo tokenizer: health, models, chat completions (JSON and SSE), cached tokens, and a 4xx OpenAI
+error JSON naming the parameter for each bad input."""
+
+import asyncio
+import importlib.util
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from litestar import Litestar
+from litestar.testing import TestClient
+
+import gateway.controllers.openai as openai_controller
+from engine.protocol import Finished, TokenDelta
+from gateway.app import GatewayConfig, create_app
+from gateway.cli import main as cli_main
+from gateway.dispatch import StreamItem
+from gateway.lifespan import load_model
+from gateway.schemas import decode_chat_request
+from gateway.serve import WorkerProcess, spawn_worker
+from gateway.tokenizer import write_demo_tokenizer
+
+MAX_BODY_BYTES = 64 * 1024
+CONTEXT = 8192
+URL = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[WorkerProcess]:
+    proc = spawn_worker(model_dir=None, backend="sim", worker_id="app-test",
+                        extra_args=["--cost", "zero"], timeout_s=60)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("demo-model")
+    write_demo_tokenizer(out)
+    (out / "config.json").write_text(json.dumps({"max_position_embeddings": CONTEXT}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def client(worker: WorkerProcess, model_dir: Path) -> Iterator[TestClient[Litestar]]:
+    cfg = GatewayConfig(model_dir=model_dir, workers=(worker.listen,), model_name="demo",
+                        max_body_bytes=MAX_BODY_BYTES)
+    with TestClient(create_app(cfg), raise_server_exceptions=False) as test_client:
+        yield test_client
+
+
+def _chat(**overrides: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "demo",
+        "messages": [{"role": "system", "content": "Be brief."},
+                     {"role": "user", "content": "Hello there, how are you?"}],
+        "max_tokens": 12,
+        "seed": 7,
+    }
+    return body | overrides
+
+
+def _sse_events(text: str) -> list[str]:
+    return [line.removeprefix("data: ") for line in text.split("\n") if line.startswith("data: ")]
+
+
+def _assert_error(resp: Any, status: int, param: str | None) -> None:
+    assert resp.status_code == status, (resp.status_code, resp.text)
+    error = resp.json()["error"]
+    assert error["param"] == param, error
+    assert error["message"] and error["type"], error
+
+
+def test_health_ready_models(client: TestClient[Litestar]) -> None:
+    assert client.get("/health").status_code == 200
+    ready = client.get("/ready")
+    assert ready.status_code == 200 and ready.json()["workers_alive"] == 1, ready.text
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["demo"], models
+
+
+def test_ready_is_503_without_live_worker(model_dir: Path) -> None:
+    cfg = GatewayConfig(model_dir=model_dir, workers=("tcp://127.0.0.1:9",))
+    app = create_app(cfg)
+    with TestClient(app, raise_server_exceptions=False) as test_client:
+        for client_ in app.state.dispatcher.clients:
+            client_.connect_timeout_s = 0.2
+        assert test_client.get("/health").status_code == 200
+        _assert_error(test_client.get("/ready"), 503, None)
+        _assert_error(test_client.post(URL, json=_chat()), 503, None)
+
+
+def test_chat_completion_round_trip(client: TestClient[Litestar]) -> None:
+    resp = client.post(URL, json=_chat())
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["object"] == "chat.completion" and body["model"] == "demo", body
+    [choice] = body["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 12 and usage["prompt_tokens"] > 10, usage
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 12, usage
+    assert "cached_tokens" in usage["prompt_tokens_details"], usage
+
+
+def test_repeated_conversation_reports_cached_tokens(client: TestClient[Litestar]) -> None:
+    messages = [{"role": "user", "content": "A long shared history. " * 20}]
+    first = client.post(URL, json=_chat(messages=messages)).json()["usage"]
+    second = client.post(URL, json=_chat(messages=messages)).json()["usage"]
+    assert second["prompt_tokens"] == first["prompt_tokens"], (first, second)
+    assert second["prompt_tokens_details"]["cached_tokens"] > 0, second
+
+
+def test_stream_chunks_end_in_done_with_usage(client: TestClient[Litestar]) -> None:
+    resp = client.post(URL, json=_chat(max_tokens=40, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+    events = _sse_events(resp.text)
+    assert events[-1] == "[DONE]", events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant", chunks[0]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length", chunks[-2]
+    assert chunks[-1]["choices"] == [], chunks[-1]
+    assert chunks[-1]["usage"]["completion_tokens"] == 40, chunks[-1]
+    assert len({c["id"] for c in chunks}) == 1, chunks
+
+
+@pytest.mark.parametrize("stop", [None, ["wor"]])
+def test_stream_concatenates_to_non_stream(model_dir: Path, stop: list[str] | None) -> None:
+    """The same tokens, one per delta (a multi-byte character split across tokens), give the
+    same content and tool calls streamed or not."""
+    model = load_model(model_dir, "demo")
+    text = 'héllo 世界 wor<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    ids = model.tokenizer.encode(text)
+    req = decode_chat_request(json.dumps(_chat(stop=stop)).encode())
+    job = openai_controller._prepare(req, model)
+    finished = Finished(request_id=job.id, finish_reason="stop", prompt_tokens=len(
+        job.prompt.token_ids), completion_tokens=len(ids))
+
+    async def stream() -> AsyncIterator[StreamItem]:
+        for token in ids[1:]:
+            yield TokenDelta(request_id=job.id, token_ids=[token])
+        yield finished
+
+    first = TokenDelta(request_id=job.id, token_ids=ids[:1])
+    full = asyncio.run(openai_controller._complete(job, first, stream()))
+
+    async def collect() -> list[Any]:
+        return [m async for m in openai_controller._sse(job, first, stream())]
+
+    chunks = [json.loads(m.data) for m in asyncio.run(collect())[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    content = "".join(d.get("content") or "" for d in deltas)
+    calls = [call for d in deltas for call in d.get("tool_calls") or []]
+    message = full.choices[0].message
+    assert content == (message.content or ""), (content, message)
+    if stop:
+        assert message.tool_calls is None and content == "héllo 世界", message
+        return
+    assert message.tool_calls is not None and len(message.tool_calls) == 1, message
+    [call] = message.tool_calls
+    assert calls[0]["id"] == call.id and calls[0]["function"]["name"] == call.function.name
+    assert "".join(c["function"]["arguments"] for c in calls) == call.function.arguments
+    assert chunks[-1]["choices"][0]["finish_reason"] == full.choices[0].finish_reason
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b'{"model": "demo", "messages": [', None),
+        (json.dumps(_chat(bogus=1)).encode(), "bogus"),
+        (json.dumps(_chat(temperature=9)).encode(), "temperature"),
+        (json.dumps(_chat(messages=[{"role": "user", "content": "x" * 9000}])).encode(),
+         "messages"),
+    ],
+    ids=["malformed-json", "unknown-field", "bad-temperature", "prompt-too-long"],
+)
+def test_bad_input_is_400_naming_param(
+    client: TestClient[Litestar], body: bytes, param: str | None
+) -> None:
+    resp = client.post(URL, content=body, headers={"content-type": "application/json"})
+    _assert_error(resp, 400, param)
+
+
+def test_prompt_plus_max_tokens_over_context_is_400(client: TestClient[Litestar]) -> None:
+    messages = [{"role": "user", "content": "y" * 8000}]
+    _assert_error(client.post(URL, json=_chat(messages=messages, max_tokens=1000)), 400,
+                  "messages")
+
+
+def test_completion_round_trip(client: TestClient[Litestar]) -> None:
+    body = {"model": "demo", "prompt": "Once upon a time", "max_tokens": 8, "stop": "\x00"}
+    resp = client.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert out["object"] == "text_completion" and isinstance(out["choices"][0]["text"], str)
+    assert out["usage"]["prompt_tokens"] == len("Once upon a time"), out["usage"]
+    _assert_error(client.post("/v1/completions", json=body | {"prompt": ""}), 400, "prompt")
+    _assert_error(client.post("/v1/completions", json=body | {"stream": True}), 400, "stream")
+
+
+def test_unknown_route_and_bad_messages_are_4xx_json(client: TestClient[Litestar]) -> None:
+    _assert_error(client.get("/v1/nope"), 404, None)
+    bad = _chat(messages=[{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}])
+    resp = client.post(URL, json=bad)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"].startswith("messages"), resp.text
+
+
+def test_body_too_large_is_413(client: TestClient[Litestar]) -> None:
+    body = _chat(messages=[{"role": "user", "content": "z" * (MAX_BODY_BYTES + 1)}])
+    _assert_error(client.post(URL, json=body), 413, "body")
+
+
+def test_leaving_the_stream_early_closes_the_worker_stream(model_dir: Path) -> None:
+    """A client that goes away closes the SSE body, which closes (so aborts) the dispatch."""
+    model = load_model(model_dir, "demo")
+    job = openai_controller._prepare(decode_chat_request(json.dumps(_chat()).encode()), model)
+    closed: list[bool] = []
+
+    async def endless() -> AsyncIterator[StreamItem]:
+        try:
+            while True:
+                yield TokenDelta(request_id=job.id, token_ids=[104])
+        finally:
+            closed.append(True)
+
+    async def read_two_and_leave() -> None:
+        stream = endless()
+        first = await anext(stream)
+        body = openai_controller._sse(job, first, stream)
+        await anext(body)
+        await anext(body)
+        await body.aclose()
+
+    asyncio.run(read_two_and_leave())
+    assert closed == [True], closed
+
+
+def test_gateway_does_not_import_torch() -> None:
+    code = "import sys, gateway.cli, gateway.app, gateway.serve; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("uvicorn") is None, reason="needs uvicorn")
+def test_agentgate_serve_answers_http_and_stops_its_workers_on_sigint(tmp_path: Path) -> None:
+    """The README's main command, for real: a gateway process over a spawned sim worker."""
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    from engine.models.checkpoint import DEMO_CONFIG
+
+    model_dir = tmp_path / "model"
+    write_demo_tokenizer(model_dir)
+    (model_dir / "config.json").write_text(json.dumps(DEMO_CONFIG))
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir), "--backend",
+         "sim", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "gateway never got ready"
+            try:
+                with urllib.request.urlopen(f"{base}/ready", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.3)
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                           "max_tokens": 3}).encode()
+        req = urllib.request.Request(f"{base}/v1/chat/completions", data=body,
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            reply = json.loads(r.read())
+        assert reply["usage"]["completion_tokens"] == 3
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode in (0, 130), out
+    workers = subprocess.run(["pgrep", "-f", f"engine.worker.*{model_dir}"], capture_output=True,
+                             text=True, check=False)
+    assert workers.stdout.strip() == "", f"workers left running: {workers.stdout}"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("uvicorn") is not None, reason="uvicorn installed")
+def test_serve_without_asgi_server_says_so(
+    model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli_main(["serve", "--model", str(model_dir)]) == 2
+    assert "no ASGI server installed" in capsys.readouterr().err
