@@ -5,6 +5,7 @@ The gateway process never imports torch: the engine only runs in the worker subp
 """
 
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -32,10 +33,10 @@ class WorkerProcess:
     events: str
     stderr: list[str] = field(default_factory=list)
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout_s``. Safe to call twice."""
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+        """Send ``sig``, then SIGKILL after ``timeout_s``. Safe to call twice."""
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:

@@ -8,16 +8,10 @@ bounded ``asyncio.timeout``.
 
 import asyncio
 import contextlib
-import re
 import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Coroutine, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,35 +25,16 @@ from gateway.dispatch import (
     WorkerDead,
     WorkerError,
 )
+from gateway.serve import ServeError, WorkerProcess, spawn_worker
 
-ROOT = Path(__file__).resolve().parents[2]
-ANY_PORT = "tcp://127.0.0.1:0"
 LONG_TOKENS = 8000  # NOTE: the demo max_context is 8192; ~45 s on a paced worker
 _START_TIMEOUT_S = 60.0
 _TEST_TIMEOUT_S = 20.0
-_LINE = re.compile(r"worker (\S+) listening on (\S+), events on (\S+)")
 _ids = iter(range(1, 10**6))
 
 
-@dataclass
-class WorkerProc:
-    proc: subprocess.Popen[str]
-    worker_id: str
-    listen: str
-    stderr: list[str] = field(default_factory=list)
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
-def workers() -> Iterator[tuple[WorkerProc, WorkerProc]]:
+def workers() -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
     a = _start_worker("paced", "cpu")
     try:
         b = _start_worker("fast", "zero")
@@ -72,7 +47,7 @@ def workers() -> Iterator[tuple[WorkerProc, WorkerProc]]:
 
 
 @pytest.fixture
-def victim() -> Iterator[WorkerProc]:
+def victim() -> Iterator[WorkerProcess]:
     """A worker of its own, for a test to kill."""
     worker = _start_worker("victim", "cpu")
     try:
@@ -84,7 +59,7 @@ def victim() -> Iterator[WorkerProc]:
 # ---------------------------------------------------------------------- WorkerClient
 
 
-def test_connect_returns_the_workers_welcome(workers: tuple[WorkerProc, WorkerProc]) -> None:
+def test_connect_returns_the_workers_welcome(workers: tuple[WorkerProcess, WorkerProcess]) -> None:
     async def main() -> None:
         client = await _make_client(workers[0])
         try:
@@ -99,7 +74,7 @@ def test_connect_returns_the_workers_welcome(workers: tuple[WorkerProc, WorkerPr
 
 
 def test_concurrent_streams_each_end_with_one_finished(
-    workers: tuple[WorkerProc, WorkerProc],
+    workers: tuple[WorkerProcess, WorkerProcess],
 ) -> None:
     async def one(client: WorkerClient, n: int) -> tuple[int, list[Finished]]:
         tokens, finals = 0, []
@@ -128,7 +103,7 @@ def test_concurrent_streams_each_end_with_one_finished(
     _run(main())
 
 
-def test_aclose_mid_stream_aborts_the_request(workers: tuple[WorkerProc, WorkerProc]) -> None:
+def test_aclose_mid_stream_aborts_the_request(workers: tuple[WorkerProcess, WorkerProcess]) -> None:
     async def main() -> None:
         client = await _make_client(workers[0])
         try:
@@ -144,7 +119,10 @@ def test_aclose_mid_stream_aborts_the_request(workers: tuple[WorkerProc, WorkerP
     _run(main())
 
 
-def test_first_token_timeout_raises_and_aborts(workers: tuple[WorkerProc, WorkerProc]) -> None:
+Workers = tuple[WorkerProcess, WorkerProcess]
+
+
+def test_first_token_timeout_raises_and_aborts(workers: Workers) -> None:
     async def main() -> None:
         client = await _make_client(workers[0])
         try:
@@ -181,7 +159,7 @@ async def _assert_stops_running(client: WorkerClient) -> None:
     assert (report.num_running, report.num_waiting) == (0, 0), report
 
 
-def test_invalid_request_raises_worker_error(workers: tuple[WorkerProc, WorkerProc]) -> None:
+def test_invalid_request_raises_worker_error(workers: tuple[WorkerProcess, WorkerProcess]) -> None:
     async def main() -> None:
         client = await _make_client(workers[0])
         try:
@@ -197,7 +175,7 @@ def test_invalid_request_raises_worker_error(workers: tuple[WorkerProc, WorkerPr
     _run(main())
 
 
-def test_killed_worker_fails_a_started_stream(victim: WorkerProc) -> None:
+def test_killed_worker_fails_a_started_stream(victim: WorkerProcess) -> None:
     dead_after_s = 1.0
 
     async def main() -> None:
@@ -224,7 +202,7 @@ def test_killed_worker_fails_a_started_stream(victim: WorkerProc) -> None:
 
 
 def test_dispatcher_retries_a_request_whose_worker_died_before_streaming(
-    victim: WorkerProc, workers: tuple[WorkerProc, WorkerProc],
+    victim: WorkerProcess, workers: tuple[WorkerProcess, WorkerProcess],
 ) -> None:
     async def main() -> None:
         doomed = await _make_client(victim, dead_after_s=1.0)
@@ -248,7 +226,7 @@ def test_dispatcher_retries_a_request_whose_worker_died_before_streaming(
 
 
 def test_dispatcher_keeps_a_session_on_its_worker(
-    workers: tuple[WorkerProc, WorkerProc],
+    workers: tuple[WorkerProcess, WorkerProcess],
 ) -> None:
     async def main() -> None:
         a, b = await _make_client(workers[0]), await _make_client(workers[1])
@@ -284,7 +262,7 @@ def _run(coro: Coroutine[Any, Any, None]) -> None:
     asyncio.run(bounded())
 
 
-async def _make_client(worker: WorkerProc, dead_after_s: float = 3.0) -> WorkerClient:
+async def _make_client(worker: WorkerProcess, dead_after_s: float = 3.0) -> WorkerClient:
     client = WorkerClient(
         worker.listen, connect_timeout_s=10.0, first_token_timeout_s=10.0, idle_timeout_s=10.0,
         heartbeat_s=dead_after_s / 4, dead_after_s=dead_after_s,
@@ -307,25 +285,10 @@ def _assert_finished(last: object, reason: str, completion_tokens: int) -> None:
     assert (last.finish_reason, last.completion_tokens) == (reason, completion_tokens), last
 
 
-def _start_worker(worker_id: str, cost: str) -> WorkerProc:
-    """Start a sim worker on free ports, wait for its "listening" line (bounded)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.worker", "--backend", "sim", "--cost", cost,
-         "--listen", ANY_PORT, "--events", ANY_PORT, "--worker-id", worker_id],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
-    lines: list[str] = []  # NOTE: appended by the pump thread for the worker's whole life
-    threading.Thread(target=_pump, args=(proc, lines), daemon=True).start()
-    deadline = time.monotonic() + _START_TIMEOUT_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        if m := next(filter(None, map(_LINE.search, list(lines))), None):
-            return WorkerProc(proc, m[1], m[2], lines)
-        time.sleep(0.05)
-    proc.kill()
-    proc.wait(timeout=10)
-    pytest.fail(f"worker did not start (rc={proc.returncode}):\n{''.join(lines)}")
-
-
-def _pump(proc: subprocess.Popen[str], lines: list[str]) -> None:
-    assert proc.stderr is not None
-    lines.extend(proc.stderr)  # NOTE: keeps the pipe drained
+def _start_worker(worker_id: str, cost: str) -> WorkerProcess:
+    """A sim worker on free ports, started and awaited by the same code as ``agentgate serve``."""
+    try:
+        return spawn_worker(model_dir=None, backend="sim", worker_id=worker_id,
+                            extra_args=("--cost", cost), timeout_s=_START_TIMEOUT_S)
+    except ServeError as e:
+        pytest.fail(str(e))
