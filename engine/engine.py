@@ -25,6 +25,10 @@ from engine.scheduler import Scheduled, Scheduler
 from engine.sequence import Sequence
 
 
+class ContextTooLong(ValueError):
+    """Prompt + max_new_tokens exceed the model's context (the worker's ``context_too_long``)."""
+
+
 class Runner(Protocol):
     def run(self, batch: list[Scheduled], pages: list[SeqPages]) -> SampleOutput | None: ...
 
@@ -207,7 +211,7 @@ def _validate_prompt(prompt: list[int], max_new_tokens: int, cfg: ModelConfig) -
         )
     limit = cfg.max_position_embeddings
     if len(prompt) + max_new_tokens > limit:
-        raise ValueError(
+        raise ContextTooLong(
             f"prompt of {len(prompt)} tokens + max_new_tokens={max_new_tokens} exceeds the "
             f"model's context of {limit} tokens"
         )

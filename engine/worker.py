@@ -51,7 +51,7 @@ from typing import Any
 import zmq
 
 from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.engine import ContextTooLong, Engine
 from engine.model_config import ModelConfig
 from engine.protocol import (
     PROTOCOL_VERSION,
@@ -273,17 +273,14 @@ class Worker:
             params = msg.sampling.to_params()
         except ValueError as e:
             return ErrorReply(request_id=rid, code="invalid_request", message=str(e))
-        limit = self._welcome.max_context
-        if len(msg.input_ids) + params.max_new_tokens > limit:
-            text = (f"prompt of {len(msg.input_ids)} tokens + max_new_tokens="
-                    f"{params.max_new_tokens} exceeds the context of {limit} tokens")
-            return ErrorReply(request_id=rid, code="context_too_long", message=text)
         try:
             return self.engine.make_sequence(
                 f"{next(self._ids)}:{rid}", msg.input_ids, params, priority=msg.priority,
                 cache_salt=msg.cache_salt, session_id=msg.session_id,
                 retain_ttl_s=msg.retain_ttl_s,
             )
+        except ContextTooLong as e:
+            return ErrorReply(request_id=rid, code="context_too_long", message=str(e))
         except ValueError as e:
             return ErrorReply(request_id=rid, code="invalid_request", message=str(e))
 
