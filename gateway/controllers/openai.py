@@ -1,18 +1,14 @@
-"""OpenAI-compatible endpoints: ``POST /v1/chat/completions`` (JSON, or SSE with ``stream``),
-``POST /v1/completions`` (JSON only for now) and ``GET /v1/models``.
+"""OpenAI-compatible endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON,
+or SSE with ``stream``), ``GET /v1/models``.
 
-A chat request goes: decode (``RequestError`` names the parameter) -> ``PromptCache.encode`` ->
-``to_sampling_spec`` -> ``Dispatcher.generate``. The first item of the worker's stream is awaited
-before answering, so an error the worker gives before any token (``context_too_long``,
-``overloaded``, no worker) becomes an HTTP status even for a streamed request; an error after that
-can only be an SSE ``error`` event. Text goes through stop-string matching and then the tool-call
-parser, the same way for both modes, so a streamed answer's deltas concatenate to the JSON one.
+A request goes: decode (``RequestError`` names the parameter) -> prompt ids (``PromptCache`` for
+chat) -> ``to_sampling_spec`` -> ``generation.start`` -> ``generation.chat_deltas`` /
+``chat_result`` / ``pieces``; this module only shapes the OpenAI bodies and SSE events. An error
+after the first token can only be an SSE ``error`` event, followed by ``[DONE]``.
 """
 
 import time
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
@@ -22,43 +18,44 @@ from litestar.di import NamedDependency
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
-from engine.protocol import Finished, Generate
-from gateway.dispatch import Dispatcher, DispatchError, StreamItem
+from engine.protocol import Finished
+from gateway.dispatch import Dispatcher, DispatchError
+from gateway.generation import (
+    ChatDelta,
+    OutputOptions,
+    Started,
+    build_generate,
+    chat_deltas,
+    chat_result,
+    check_context,
+    new_request_id,
+    pieces,
+    start,
+    usage_of,
+)
 from gateway.lifespan import ModelState
-from gateway.prompt_cache import EncodedPrompt
+from gateway.logprobs import TokenTexts
 from gateway.schemas import (
     ChatChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChoiceLogprobs,
     ChunkChoice,
     ChunkDelta,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
-    FunctionCall,
-    FunctionCallDelta,
     Model,
     ModelList,
     RequestError,
-    ResponseMessage,
-    ToolCall,
-    ToolCallDelta,
-    Usage,
     decode_chat_request,
     decode_completion_request,
     error_body,
     to_sampling_spec,
 )
-from gateway.tokenizer import StreamDecoder
-from gateway.tool_parser import (
-    ContentDelta,
-    ToolCallArgumentsDelta,
-    ToolCallEvent,
-    ToolCallStart,
-    ToolCallStreamParser,
-    parse_tool_calls,
-)
+from gateway.tenancy import cache_salt, tenant_of
 
 _JSON = msgspec.json.Encoder()
 
@@ -80,14 +77,22 @@ class CompletionsController(Controller):
         request: Request[Any, Any, Any],
         model: NamedDependency[ModelState],
         dispatcher: NamedDependency[Dispatcher],
-    ) -> Completion:
+    ) -> Response[Any]:
         req = decode_completion_request(await request.body())
+        prompt = model.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
+        left = check_context(model, len(prompt), "prompt")
+        spec = to_sampling_spec(
+            req, default_max_tokens=left, stop_token_ids=model.tokenizer.eos_token_ids
+        )
+        generate = build_generate(
+            model, list(prompt), spec, request_id=new_request_id("cmpl"), param="prompt",
+            cache_salt=cache_salt(tenant_of(request)),
+        )
+        started = await start(dispatcher, generate)
+        head = _Head(generate.request_id, model.name, int(time.time()))
         if req.stream:
-            msg = "stream=true is not supported on /v1/completions yet"
-            raise RequestError(msg, param="stream", code="unsupported_value")
-        generate = _completion_generate(req, model)
-        ids, finished = await _collect(dispatcher.generate(generate))
-        return _completion(req, model, generate.request_id, ids, finished)
+            return ServerSentEvent(_completion_sse(head, req, started, model))
+        return Response(await _completion(head, req, started, model))
 
 
 class ChatCompletionsController(Controller):
@@ -100,223 +105,190 @@ class ChatCompletionsController(Controller):
         model: NamedDependency[ModelState],
         dispatcher: NamedDependency[Dispatcher],
     ) -> Response[Any]:
-        job = _prepare(decode_chat_request(await request.body()), model)
-        stream = dispatcher.generate(job.generate)
-        try:
-            first = await anext(stream)
-        except BaseException:
-            await stream.aclose()
-            raise
-        if job.req.stream:
-            return ServerSentEvent(_sse(job, first, stream))
-        return Response(await _complete(job, first, stream))
+        req = decode_chat_request(await request.body())
+        salt = cache_salt(tenant_of(request))
+        input_ids = _chat_prompt(req, model, salt)
+        left = check_context(model, len(input_ids), "messages")
+        spec = to_sampling_spec(
+            req, default_max_tokens=left, stop_token_ids=model.tokenizer.eos_token_ids
+        )
+        generate = build_generate(
+            model, input_ids, spec, request_id=new_request_id(), cache_salt=salt
+        )
+        started = await start(dispatcher, generate)
+        head = _Head(generate.request_id, model.name, int(time.time()))
+        parse_tools = bool(req.tools) and req.tool_choice != "none"
+        opts = OutputOptions(req.stop_strings, parse_tools, logprobs=bool(req.logprobs))
+        if req.stream:
+            return ServerSentEvent(_chat_sse(head, req, started, model, opts))
+        result = await chat_result(started, model, opts)
+        logprobs = None if result.logprobs is None else ChoiceLogprobs(content=result.logprobs)
+        choice = ChatChoice(
+            index=0, message=result.message, finish_reason=result.finish_reason, logprobs=logprobs
+        )
+        return Response(ChatCompletion(
+            id=head.id, model=head.model, choices=[choice], usage=result.usage,
+            created=head.created,
+        ))
 
 
-def new_request_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex}"
+class _Head(msgspec.Struct, frozen=True):
+    """What every body and chunk of one response repeats."""
+
+    id: str
+    model: str
+    created: int
 
 
-@dataclass(slots=True)
-class _Job:
-    req: ChatCompletionRequest
-    model: ModelState
-    prompt: EncodedPrompt
-    generate: Generate
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def id(self) -> str:
-        return self.generate.request_id
-
-
-def _prepare(req: ChatCompletionRequest, model: ModelState) -> _Job:
+def _chat_prompt(req: ChatCompletionRequest, model: ModelState, salt: str | None) -> list[int]:
     messages = msgspec.to_builtins(req.messages)
     tools = msgspec.to_builtins(req.tools) if req.tools else None
     try:
-        prompt = model.prompt_cache.encode(messages, tools)
+        return model.prompt_cache.encode(messages, tools, cache_salt=salt).token_ids
     except (jinja2.TemplateError, ValueError, TypeError) as exc:
         raise RequestError(f"messages could not be rendered: {exc}", param="messages") from None
-    request = _generate(req, model, prompt.token_ids, "messages", new_request_id())
-    return _Job(req, model, prompt, request)
-
-
-def _generate(
-    req: ChatCompletionRequest | CompletionRequest,
-    model: ModelState,
-    input_ids: list[int],
-    param: str,
-    request_id: str,
-) -> Generate:
-    """The worker request; a prompt that leaves no room in the context is a 400 on ``param``."""
-    left = model.max_context - len(input_ids)
-    if left <= 0:
-        raise RequestError(
-            f"The prompt is {len(input_ids)} tokens; this model's context is "
-            f"{model.max_context} tokens.", param=param, code="context_length_exceeded",
-        )
-    spec = to_sampling_spec(
-        req, default_max_tokens=left, stop_token_ids=model.tokenizer.eos_token_ids
-    )
-    return Generate(request_id=request_id, input_ids=input_ids, sampling=spec)
-
-
-def _completion_generate(req: CompletionRequest, model: ModelState) -> Generate:
-    ids = model.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
-    return _generate(req, model, ids, "prompt", f"cmpl-{uuid.uuid4().hex}")
-
-
-async def _collect(
-    stream: AsyncIterator[StreamItem], first: StreamItem | None = None
-) -> tuple[list[int], Finished]:
-    """All token ids and the ``Finished``; the stream is closed (so aborted) if this is left."""
-    ids: list[int] = []
-    try:
-        item = first if first is not None else await anext(stream)
-        while not isinstance(item, Finished):
-            ids.extend(item.token_ids)
-            item = await anext(stream)
-        return ids, item
-    finally:
-        await stream.aclose()  # type: ignore[attr-defined]
-
-
-def _completion(
-    req: CompletionRequest, model: ModelState, request_id: str, ids: list[int], item: Finished
-) -> Completion:
-    stop = _StopMatcher(req.stop_strings)
-    text = stop.feed(model.tokenizer.decode(ids, skip_special_tokens=True)) + stop.flush()
-    reason = _finish_reason(item, stop.stopped, has_calls=False)
-    choice = CompletionChoice(index=0, text=text, finish_reason=reason)
-    return Completion(
-        id=request_id, model=model.name, created=int(time.time()), choices=[choice],
-        usage=_usage(item),
-    )
-
-
-class _StopMatcher:
-    """Cuts text at the first stop string; holds back what could be the start of one."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = stops
-        self.stopped = False
-        self._held = ""
-
-    def feed(self, text: str) -> str:
-        if self.stopped or not self.stops:
-            return "" if self.stopped else text
-        text = self._held + text
-        cuts = [i for s in self.stops if (i := text.find(s)) >= 0]
-        if cuts:
-            self.stopped, self._held = True, ""
-            return text[: min(cuts)]
-        keep = max(len(s) - 1 for s in self.stops)
-        emit = len(text) - keep
-        while emit < len(text) and not any(s.startswith(text[max(emit, 0):]) for s in self.stops):
-            emit += 1
-        emit = max(emit, 0)
-        self._held = text[emit:]
-        return text[:emit]
-
-    def flush(self) -> str:
-        held, self._held = self._held, ""
-        return "" if self.stopped else held
-
-
-def _finish_reason(item: Finished, stopped: bool, has_calls: bool) -> Any:
-    if has_calls:
-        return "tool_calls"
-    return "length" if item.finish_reason == "length" and not stopped else "stop"
-
-
-def _usage(item: Finished) -> Usage:
-    return Usage.of(item.prompt_tokens, item.completion_tokens, item.cached_tokens)
-
-
-async def _rest(first: StreamItem, stream: AsyncIterator[StreamItem]) -> AsyncIterator[StreamItem]:
-    yield first
-    if not isinstance(first, Finished):
-        async for item in stream:
-            yield item
-
-
-async def _complete(
-    job: _Job, first: StreamItem, stream: AsyncIterator[StreamItem]
-) -> ChatCompletion:
-    ids, finished = await _collect(stream, first)
-    stop = _StopMatcher(job.req.stop_strings)
-    text = stop.feed(job.model.tokenizer.decode(ids, skip_special_tokens=True)) + stop.flush()
-    parsed = parse_tool_calls(text, id_seed=job.id)
-    calls = [
-        ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
-        for c in parsed.tool_calls
-    ]
-    message = ResponseMessage(content=parsed.content or None, tool_calls=calls or None)
-    reason = _finish_reason(finished, stop.stopped, bool(calls))
-    choice = ChatChoice(index=0, message=message, finish_reason=reason)
-    return ChatCompletion(
-        id=job.id, model=job.model.name, choices=[choice], usage=_usage(finished),
-        created=job.created,
-    )
 
 
 def _event(data: str) -> ServerSentEventMessage:
     return ServerSentEventMessage(data=data, sep="\n")
 
 
-def _chunk(job: _Job, delta: ChunkDelta, reason: Any = None) -> ServerSentEventMessage:
-    choice = ChunkChoice(index=0, delta=delta, finish_reason=reason)
-    chunk = ChatCompletionChunk(
-        id=job.id, model=job.model.name, created=job.created, choices=[choice]
-    )
-    return _event(_JSON.encode(chunk).decode())
+def _encode_event(body: msgspec.Struct) -> ServerSentEventMessage:
+    return _event(_JSON.encode(body).decode())
 
 
-def _delta(event: ToolCallEvent) -> ChunkDelta | None:
-    if isinstance(event, ContentDelta):
-        return ChunkDelta(content=event.text) if event.text else None
-    if isinstance(event, ToolCallStart):
-        fn = FunctionCallDelta(name=event.name, arguments="")
-        call = ToolCallDelta(index=event.index, id=event.id, type="function", function=fn)
-        return ChunkDelta(tool_calls=[call])
-    if isinstance(event, ToolCallArgumentsDelta):
-        fn = FunctionCallDelta(arguments=event.text)
-        return ChunkDelta(tool_calls=[ToolCallDelta(index=event.index, function=fn)])
-    return None  # ToolCallEnd, ToolCallError: nothing to send
+def _error_event(exc: DispatchError) -> ServerSentEventMessage:
+    return _encode_event(error_body(str(exc), type="server_error"))
 
 
-async def _sse(
-    job: _Job, first: StreamItem, stream: AsyncIterator[StreamItem]
+def _chunk(
+    head: _Head, delta: ChunkDelta, reason: Any = None, logprobs: ChoiceLogprobs | None = None
+) -> ServerSentEventMessage:
+    choice = ChunkChoice(index=0, delta=delta, finish_reason=reason, logprobs=logprobs)
+    return _encode_event(ChatCompletionChunk(
+        id=head.id, model=head.model, created=head.created, choices=[choice]
+    ))
+
+
+async def _chat_sse(
+    head: _Head,
+    req: ChatCompletionRequest,
+    started: Started,
+    model: ModelState,
+    opts: OutputOptions,
 ) -> AsyncIterator[ServerSentEventMessage]:
     """The SSE body; leaving it early (the client went away) aborts the worker request."""
-    decoder = StreamDecoder(job.model.tokenizer, skip_special_tokens=True)
-    stop = _StopMatcher(job.req.stop_strings)
-    parser = ToolCallStreamParser(id_seed=job.id)
+    events = chat_deltas(started, model, opts)
     try:
-        yield _chunk(job, ChunkDelta(role="assistant", content=""))
-        finished: Finished | None = None
-        async for item in _rest(first, stream):
-            if isinstance(item, Finished):
-                finished = item
-                break
-            text = stop.feed("".join(decoder.feed(t) for t in item.token_ids))
-            for event in parser.feed(text):
-                if (delta := _delta(event)) is not None:
-                    yield _chunk(job, delta)
-        assert finished is not None
-        events = parser.feed(stop.feed(decoder.flush()) + stop.flush()) + parser.finish()
-        for event in events:
-            if (delta := _delta(event)) is not None:
-                yield _chunk(job, delta)
-        reason = _finish_reason(finished, stop.stopped, parser.num_calls > 0)
-        yield _chunk(job, ChunkDelta(), reason)
-        if job.req.include_usage:
-            usage = ChatCompletionChunk(
-                id=job.id, model=job.model.name, created=job.created, choices=[],
-                usage=_usage(finished),
-            )
-            yield _event(_JSON.encode(usage).decode())
+        yield _chunk(head, ChunkDelta(role="assistant", content=""))
+        async for event in events:
+            logprobs = None if event.logprobs is None else ChoiceLogprobs(content=event.logprobs)
+            if isinstance(event, ChatDelta):
+                yield _chunk(head, event.delta, logprobs=logprobs)
+                continue
+            yield _chunk(head, ChunkDelta(), event.finish_reason, logprobs)
+            if req.include_usage:
+                yield _encode_event(ChatCompletionChunk(
+                    id=head.id, model=head.model, created=head.created, choices=[],
+                    usage=event.usage,
+                ))
     except DispatchError as exc:
-        yield _event(_JSON.encode(error_body(str(exc), type="server_error")).decode())
+        yield _error_event(exc)
     finally:
-        await stream.aclose()  # type: ignore[attr-defined]
+        await events.aclose()
     yield _event("[DONE]")
+
+
+async def _completion(
+    head: _Head, req: CompletionRequest, started: Started, model: ModelState
+) -> Completion:
+    texts = _CompletionLogprobs(model, req.logprobs)
+    text: list[str] = []
+    async for piece in pieces(started, model, req.stop_strings):
+        if isinstance(piece, Finished):
+            choice = CompletionChoice(
+                index=0, text="".join(text), finish_reason=_reason(piece),
+                logprobs=texts.result(),
+            )
+            return Completion(
+                id=head.id, model=head.model, created=head.created, choices=[choice],
+                usage=usage_of(piece),
+            )
+        text.append(piece.text)
+        texts.add(piece.token_ids, piece.logprobs, piece.top_logprobs)
+    raise AssertionError("a worker stream always ends with Finished")
+
+
+async def _completion_sse(
+    head: _Head, req: CompletionRequest, started: Started, model: ModelState
+) -> AsyncIterator[ServerSentEventMessage]:
+    stream = pieces(started, model, req.stop_strings)
+    texts = _CompletionLogprobs(model, req.logprobs)
+
+    def event(text: str, reason: Any = None, **extra: Any) -> ServerSentEventMessage:
+        choice = CompletionChoice(index=0, text=text, finish_reason=reason, logprobs=texts.take())
+        return _encode_event(Completion(
+            id=head.id, model=head.model, created=head.created, choices=[choice], **extra
+        ))
+
+    try:
+        async for piece in stream:
+            if isinstance(piece, Finished):
+                usage = usage_of(piece) if req.include_usage else msgspec.UNSET
+                yield event("", _reason(piece), usage=usage)
+                break
+            texts.add(piece.token_ids, piece.logprobs, piece.top_logprobs)
+            if piece.text:
+                yield event(piece.text)
+    except DispatchError as exc:
+        yield _error_event(exc)
+    finally:
+        await stream.aclose()
+    yield _event("[DONE]")
+
+
+def _reason(item: Finished) -> Any:
+    return "length" if item.finish_reason == "length" else "stop"
+
+
+class _CompletionLogprobs:
+    """The legacy completions logprobs shape, accumulated piece by piece (``take`` for SSE)."""
+
+    def __init__(self, model: ModelState, wanted: int | None) -> None:
+        self.wanted = wanted is not None
+        self._texts = TokenTexts(model.tokenizer)
+        self._tokens: list[str] = []
+        self._logprobs: list[float] = []
+        self._top: list[dict[str, float]] = []
+        self._offsets: list[int] = []
+        self._offset = 0
+
+    def add(
+        self,
+        token_ids: list[int],
+        logprobs: list[float] | None,
+        top: list[list[tuple[int, float]]] | None,
+    ) -> None:
+        if not self.wanted or logprobs is None:
+            return
+        for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
+            text = self._texts.text(token_id)
+            self._tokens.append(text)
+            self._logprobs.append(logprob)
+            self._offsets.append(self._offset)
+            self._offset += len(text)
+            if top is not None:
+                self._top.append({self._texts.text(t): lp for t, lp in top[i]})
+
+    def result(self) -> CompletionLogprobs | None:
+        if not self.wanted:
+            return None
+        return CompletionLogprobs(
+            tokens=self._tokens, token_logprobs=self._logprobs,
+            top_logprobs=self._top or None, text_offset=self._offsets,
+        )
+
+    def take(self) -> CompletionLogprobs | None:
+        result = self.result()
+        self._tokens, self._logprobs, self._top, self._offsets = [], [], [], []
+        return result

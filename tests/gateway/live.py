@@ -1,0 +1,74 @@
+"""``live_gateway``: a real ``agentgate serve`` subprocess on a free 127.0.0.1 port, for tests
+that talk to it as clients do (urllib, the ``openai`` package, agent frameworks)."""
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+READY_TIMEOUT_S = 90
+
+
+@dataclass(frozen=True, slots=True)
+class LiveGateway:
+    base_url: str  # http://127.0.0.1:PORT
+    proc: subprocess.Popen[str]
+
+    @property
+    def api_url(self) -> str:
+        return f"{self.base_url}/v1"
+
+    def stop(self, sig: int = signal.SIGINT, timeout_s: float = 30) -> str:
+        """Signal the gateway, wait for it; return what it printed."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            out, _ = self.proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def live_gateway(model_dir: Path, *args: str, backend: str = "sim") -> Iterator[LiveGateway]:
+    """``agentgate serve --model model_dir --backend backend ARGS`` until the block ends."""
+    port = free_port()
+    cmd: Sequence[str] = [
+        sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir), "--backend",
+        backend, "--host", "127.0.0.1", "--port", str(port), *args,
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    gateway = LiveGateway(f"http://127.0.0.1:{port}", proc)
+    try:
+        _wait_ready(gateway)
+        yield gateway
+    finally:
+        gateway.stop()
+
+
+def _wait_ready(gateway: LiveGateway) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        if gateway.proc.poll() is not None:
+            raise AssertionError(f"agentgate serve exited: {gateway.stop()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"agentgate serve never got ready: {gateway.stop()}")
+        try:
+            with urllib.request.urlopen(f"{gateway.base_url}/ready", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
