@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from engine.config import EngineConfig
+from engine.grammar import GrammarCompiler
 from engine.kv.allocator import PageAllocator
 from engine.kv.layout import KVLayout, PageKind
 from engine.kv.manager import KVManager
@@ -78,6 +79,8 @@ class Engine:
             max_waiting_requests=cfg.max_waiting_requests,
         )
         self.eos_token_ids = _eos_ids(cfg.model_path, self.model_config)
+        self.grammars = GrammarCompiler(cfg.model_path, self.model_config.vocab_size,
+                                        self.eos_token_ids)
 
     # ------------------------------------------------------------------ requests
 
@@ -87,14 +90,16 @@ class Engine:
 
         Raises:
             ValueError: empty prompt, token id outside the vocabulary, or prompt + max_new_tokens
-                beyond the model's context.
+                beyond the model's context (``ContextTooLong``).
+            GrammarError: ``params.structured`` does not compile (a ValueError too).
         """
         _validate_prompt(prompt_ids, params.max_new_tokens, self.model_config)
         eos = () if params.ignore_eos else self.eos_token_ids
         stop = set(params.stop_token_ids) | set(eos)
+        grammar = None if params.structured is None else self.grammars.matcher(params.structured)
         return Sequence(request_id, tuple(map(int, prompt_ids)), params,
                         generator=self._generator(params.seed), stop_ids=frozenset(stop),
-                        **kwargs)  # type: ignore[arg-type]
+                        grammar=grammar, **kwargs)  # type: ignore[arg-type]
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
@@ -149,7 +154,11 @@ class Engine:
                 top = sampled.top_logprobs[i]
                 if seq.params.logprobs and top is not None:
                     seq.top_logprobs.append(tuple(top))
-            if token in seq.stop_ids:
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
+            # NOTE: a complete grammar allows only EOS; with ignore_eos that EOS is not a stop
+            # id, but the grammar has ended all the same
+            if token in seq.stop_ids or (seq.grammar is not None and seq.grammar.is_terminated):
                 self.scheduler.finish(seq, "stop")
             elif len(seq.output_ids) >= seq.params.max_new_tokens:
                 self.scheduler.finish(seq, "length")

@@ -10,7 +10,7 @@ from engine.kv.layout import KVLayout
 from engine.kv.paged import PagedBatch, SeqPages
 from engine.kv.pool import KVPool
 from engine.models.mimo_v2 import MiMoV2ForCausalLM
-from engine.sampler import SampleOutput, Sampler
+from engine.sampler import SampleOutput, Sampler, grammar_mask
 from engine.scheduler import Scheduled
 
 
@@ -38,5 +38,6 @@ class ModelRunner:
             return None
         sampling = [s.seq for s in batch if s.samples]
         logits = self.model.compute_logits(hidden[rows])
+        allowed = grammar_mask([q.grammar for q in sampling], logits.shape[-1], self.device)
         return self.sampler.sample(logits, [q.params for q in sampling],
-                                   [q.generator for q in sampling])
+                                   [q.generator for q in sampling], allowed)

@@ -18,10 +18,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
+from engine.sampling_params import StructuredSpec
+
 if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+# NOTE: 2 added SamplingSpec.structured: a version-1 worker would silently ignore the grammar
+# (msgspec skips unknown fields), so the handshake must refuse the pair.
+PROTOCOL_VERSION = 2
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 ErrorCode = Literal[
@@ -29,6 +33,7 @@ ErrorCode = Literal[
     "version_mismatch",  # Hello.version != PROTOCOL_VERSION
     "invalid_request",  # decoded, but a value is out of range (sampling, empty prompt, ...)
     "context_too_long",  # prompt + max_new_tokens exceeds Welcome.max_context
+    "invalid_grammar",  # sampling.structured does not compile (or the worker has no tokenizer)
     "overloaded",  # the worker cannot queue more requests now; retry elsewhere or later
     "duplicate_request",  # a request with this request_id is still running
     "internal",  # a bug or an engine failure; the request is gone
@@ -42,7 +47,8 @@ class ProtocolError(ValueError):
 class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Wire form of ``engine.sampling_params.SamplingParams`` (same fields, same defaults).
 
-    Only types are checked when decoding; ranges are checked by ``to_params()``.
+    Only types are checked when decoding; ranges are checked by ``to_params()``; a grammar in
+    ``structured`` is compiled by the engine (``engine.grammar``), after ``to_params()``.
     """
 
     max_new_tokens: int = 16
@@ -54,6 +60,7 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: StructuredSpec | None = None
 
     def to_params(self) -> SamplingParams:
         """The validated engine-side parameters.
@@ -75,6 +82,7 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs,
+            structured=self.structured,
         )
 
 

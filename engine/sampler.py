@@ -6,18 +6,25 @@ argmax(probs / Exp(1) noise). min-p compares each token with the top token, a ra
 earlier masks never change, so its place in the order only matters relative to top-p, which
 measures mass on the top-k-renormalized distribution.
 
-Logprobs are those of the raw logits (before temperature and filtering), like vLLM's default.
+Logprobs are those of the raw logits (before temperature and filtering), like vLLM's default,
+with one exception: a row under a grammar (``allowed``) reports the logprobs of its masked logits
+(tokens the grammar forbids are -inf, the rest renormalized), as vLLM does with structured
+output. Unconstrained rows in the same batch are untouched, bit for bit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarMatcher
 
 _NEG_INF = float("-inf")
 
@@ -27,10 +34,12 @@ class SampleOutput(NamedTuple):
 
     Attributes:
         token_ids: int64 [B].
-        logprobs: float32 [B], log-softmax of the raw logits at ``token_ids``; None when no row
-            asked for logprobs (when one did, every row gets its value).
-        top_logprobs: per row, the top-N ``(token_id, logprob)`` of the raw distribution, highest
-            first; None for a row with ``logprobs=None``, ``[]`` for ``logprobs=0``.
+        logprobs: float32 [B], log-softmax of the raw logits (masked ones for a row under a
+            grammar) at ``token_ids``; None when no row asked for logprobs (when one did, every
+            row gets its value).
+        top_logprobs: per row, the top-N ``(token_id, logprob)`` of the same distribution,
+            highest first, without -inf entries; None for a row with ``logprobs=None``, ``[]``
+            for ``logprobs=0``.
     """
 
     token_ids: torch.Tensor
@@ -46,6 +55,7 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        allowed: torch.Tensor | None = None,
     ) -> SampleOutput:
         """Pick one token per row.
 
@@ -54,12 +64,16 @@ class Sampler:
             params: one per row.
             generators: one per row, on ``logits.device``; None draws from torch's default RNG.
                 A seeded row's draw depends only on its generator and its own logits.
+            allowed: bool [B, V] on ``logits.device``, False for tokens a row's grammar forbids
+                (set to -inf before everything else); None: no row is constrained.
 
         Raises:
             ValueError: if logits is not 2-D or the lengths of params/generators are not B.
         """
         _check_batch(logits, params, generators)
         logits = logits.float()
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, _NEG_INF)
         token_ids = sample_tokens(logits, params, generators)
         if all(p.logprobs is None for p in params):
             return SampleOutput(token_ids, None, [None] * len(params))
@@ -73,6 +87,18 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     if seed is None:
         return None
     return torch.Generator(device=device).manual_seed(seed)
+
+
+def grammar_mask(
+    grammars: Sequence[GrammarMatcher | None], vocab_size: int, device: torch.device | str
+) -> torch.Tensor | None:
+    """bool [B, vocab_size]: each row's allowed next tokens (all True for a row without a
+    grammar); None when no row has one, so an unconstrained batch pays nothing."""
+    if all(g is None for g in grammars):
+        return None
+    rows = [np.ones(vocab_size, dtype=bool) if g is None else g.allowed(vocab_size)
+            for g in grammars]
+    return torch.from_numpy(np.stack(rows)).to(device)
 
 
 def sample_tokens(
@@ -178,6 +204,9 @@ def top_logprobs(
 ) -> list[list[tuple[int, float]] | None]:
     """Per row, the ``nums[row]`` highest ``(token_id, logprob)`` pairs, highest first.
 
+    Tokens with probability 0 (-inf: forbidden by a grammar) are left out, so a constrained row
+    may get fewer than ``nums[row]``; -inf is no JSON number, and no alternative.
+
     Args:
         logprobs: float32 [B, V] log-probabilities.
         nums: per row, how many alternatives (None: the row gets None).
@@ -186,7 +215,8 @@ def top_logprobs(
     values, ids = logprobs.topk(max_num, dim=-1)
     value_rows, id_rows = values.tolist(), ids.tolist()
     return [
-        None if n is None else list(zip(id_rows[row][:n], value_rows[row][:n]))
+        None if n is None
+        else [(t, v) for t, v in zip(id_rows[row][:n], value_rows[row][:n]) if v != _NEG_INF]
         for row, n in enumerate(nums)
     ]
 

@@ -7,11 +7,31 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeGuard
 
+import msgspec
+
 MAX_LOGPROBS = 20
 SEED_LIMIT = 2**63
 # NOTE: dividing logits by a temperature this small overflows float32 to inf (and softmax to NaN),
 # so anything below it is greedy, as in vLLM (_SAMPLING_EPS = 1e-5).
 GREEDY_TEMPERATURE = 1e-5
+
+
+class StructuredSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A grammar the output must match (``engine.grammar``); exactly one field is set.
+
+    Attributes:
+        json_schema: a JSON schema as JSON text; the output is one JSON value matching it, written
+            as ``json.dumps`` writes it (``", "`` and ``": "``, no other whitespace) unless the
+            schema's ``x-guidance`` says otherwise.
+        lark: an llguidance Lark grammar (``%json{...}`` embeds a schema; ``<tool_call>`` or
+            ``<[259]>`` names a special token).
+
+    Also the wire form (``engine.protocol.SamplingSpec.structured``): decoding checks types only,
+    ``SamplingParams`` checks that exactly one field is a non-empty string.
+    """
+
+    json_schema: str | None = None
+    lark: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +50,9 @@ class SamplingParams:
         ignore_eos: keep generating past the model's EOS token.
         logprobs: None for no logprobs; 0 for the sampled token's logprob only; N in [1, 20] for
             the top-N alternatives too.
+        structured: a grammar the output must follow (None: unconstrained). Tokens the grammar
+            does not allow next are masked (-inf) before sampling, greedy or not; once the
+            grammar is complete only EOS is allowed, so the request ends with "stop".
 
     Raises:
         ValueError: naming the field and its allowed range when a value is out of range or of the
@@ -45,6 +68,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         _require("max_new_tokens", self.max_new_tokens, "an int >= 1", _is_int_in(1, math.inf))
@@ -60,6 +84,12 @@ class SamplingParams:
             self.logprobs,
             f"None or an int in [0, {MAX_LOGPROBS}]",
             _optional(_is_int_in(0, MAX_LOGPROBS)),
+        )
+        _require(
+            "structured",
+            self.structured,
+            "None or a StructuredSpec with exactly one of json_schema, lark a non-empty str",
+            _optional(_is_structured),
         )
 
     @property
@@ -99,6 +129,13 @@ def _is_finite_non_negative(value: object) -> bool:
 
 def _is_token_id_tuple(value: object) -> bool:
     return isinstance(value, tuple) and all(_is_int(t) and t >= 0 for t in value)
+
+
+def _is_structured(value: object) -> bool:
+    if not isinstance(value, StructuredSpec):
+        return False
+    fields = (value.json_schema, value.lark)
+    return sum(isinstance(f, str) and f != "" for f in fields) == 1 and fields.count(None) == 1
 
 
 def _optional(check: _Check) -> _Check:

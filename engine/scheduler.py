@@ -172,6 +172,7 @@ class Scheduler:
         return max(candidates, key=_priority_key) if candidates else None
 
     def _preempt(self, seq: Sequence) -> None:
+        # NOTE: output_ids stay (only their KV is recomputed), so seq.grammar stays in step
         self.running.remove(seq)
         self.kv.release(seq)
         seq.status = Status.WAITING

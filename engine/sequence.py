@@ -13,6 +13,7 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from engine.grammar import GrammarMatcher
     from engine.kv.prefix_cache import Node
 
 _arrival = itertools.count()
@@ -47,6 +48,8 @@ class Sequence:
     checkpoint_positions: tuple[int, ...] = ()
     generator: torch.Generator | None = None
     stop_ids: frozenset[int] = frozenset()
+    # NOTE: has consumed exactly output_ids (preemption keeps them, so it never rolls back)
+    grammar: GrammarMatcher | None = None
     # progress
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

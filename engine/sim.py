@@ -6,12 +6,16 @@ No tensors, so a laptop can replay a production trace against many workers. Step
         + decode_s_per_token * decode tokens + attn_s_per_qk * (query, key) pairs attended
 
 Sampled tokens are a deterministic function of (request id, position), never a stop token, so a
-request runs to ``max_new_tokens`` (trace replays set it to the recorded output length).
+request runs to ``max_new_tokens`` (trace replays set it to the recorded output length). A request
+with a grammar draws the same way among the tokens its grammar allows, EOS included, so its
+output matches the grammar and ends when the grammar can.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +24,7 @@ import torch
 from engine.kv.paged import SeqPages
 from engine.sampler import SampleOutput
 from engine.scheduler import Scheduled
+from engine.sequence import Sequence as SeqState
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,12 +72,39 @@ class SimRunner:
         sampling = [s.seq for s in batch if s.samples]
         if not sampling:
             return None
-        tokens = [self._token(q.request_id, q.num_tokens, q.stop_ids) for q in sampling]
-        return SampleOutput(torch.tensor(tokens), None, [None] * len(tokens))
+        tokens = [self._token(q) for q in sampling]
+        if all(q.params.logprobs is None for q in sampling):
+            return SampleOutput(torch.tensor(tokens), None, [None] * len(tokens))
+        # NOTE: the sim's "model" is uniform over the tokens it may draw from (all but the stop
+        # ids, or what the grammar allows), so every choice has the same logprob.
+        logprobs = torch.tensor([-math.log(self._num_choices(q)) for q in sampling])
+        top = [self._top(q, t, float(lp)) for q, t, lp in zip(sampling, tokens, logprobs)]
+        return SampleOutput(torch.tensor(tokens), logprobs, top)
 
-    def _token(self, request_id: str, position: int, avoid: frozenset[int]) -> int:
-        digest = hashlib.blake2b(f"{request_id}:{position}".encode(), digest_size=8).digest()
-        token = int.from_bytes(digest, "little") % self.vocab_size
-        while token in avoid:
+    def _num_choices(self, seq: SeqState) -> int:
+        if seq.grammar is not None:
+            return max(1, int(seq.grammar.allowed(self.vocab_size).sum()))
+        return self.vocab_size - len(seq.stop_ids)
+
+    def _top(self, seq: SeqState, token: int, logprob: float) -> list[tuple[int, float]] | None:
+        """The sampled token, then the lowest other ids it could have drawn (all tie)."""
+        n = seq.params.logprobs
+        if n is None or n == 0:
+            return None if n is None else []
+        if seq.grammar is not None:
+            choices = (int(t) for t in seq.grammar.allowed(self.vocab_size).nonzero()[0])
+        else:
+            choices = (t for t in range(self.vocab_size) if t not in seq.stop_ids)
+        others = itertools.islice((t for t in choices if t != token), n - 1)
+        return [(token, logprob), *((t, logprob) for t in others)]
+
+    def _token(self, seq: SeqState) -> int:
+        key = f"{seq.request_id}:{seq.num_tokens}".encode()
+        draw = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+        if seq.grammar is not None:
+            allowed = seq.grammar.allowed(self.vocab_size).nonzero()[0]
+            return int(allowed[draw % len(allowed)])
+        token = draw % self.vocab_size
+        while token in seq.stop_ids:
             token = (token + 1) % self.vocab_size
         return token

@@ -11,10 +11,12 @@ the identity that sent the message. Message flow:
 - ``Generate`` -> ``TokenDelta``s (``cached_tokens`` on the first), then exactly one of:
   ``Finished`` (finish_reason "stop", "length" or "abort"), or ``ErrorReply(request_id, code)``:
   ``invalid_request`` (bad sampling values, empty prompt, token id outside the vocabulary),
-  ``context_too_long`` (prompt + max_new_tokens > Welcome.max_context), ``overloaded`` (the
-  waiting queue is full), ``internal`` (the engine raised; the request is gone). The exception:
-  ``ErrorReply(request_id, "duplicate_request")`` refuses a Generate whose id this client already
-  has running, and that running request goes on (its own end still comes).
+  ``context_too_long`` (prompt + max_new_tokens > Welcome.max_context), ``invalid_grammar``
+  (``sampling.structured`` does not compile, or the worker has no tokenizer.json),
+  ``overloaded`` (the waiting queue is full), ``internal`` (the engine raised; the request is
+  gone). The exception: ``ErrorReply(request_id, "duplicate_request")`` refuses a Generate
+  whose id this client already has running, and that running request goes on (its own end
+  still comes).
   NOTE (failed requests): a request the scheduler cannot fit in KV memory even with nothing else
   running (engine finish_reason "error") ends with ``ErrorReply(request_id, "context_too_long")``,
   never with ``Finished("error")``: retrying it here cannot succeed. It is usually rejected before
@@ -52,6 +54,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.engine import ContextTooLong, Engine
+from engine.grammar import GrammarError
 from engine.model_config import ModelConfig
 from engine.protocol import (
     PROTOCOL_VERSION,
@@ -281,6 +284,8 @@ class Worker:
             )
         except ContextTooLong as e:
             return ErrorReply(request_id=rid, code="context_too_long", message=str(e))
+        except GrammarError as e:
+            return ErrorReply(request_id=rid, code="invalid_grammar", message=str(e))
         except ValueError as e:
             return ErrorReply(request_id=rid, code="invalid_request", message=str(e))
 

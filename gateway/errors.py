@@ -5,7 +5,7 @@ a 5xx only for the gateway's or the workers' trouble. Passed to ``Litestar(excep
     | error                                  | status | type                  |
     |----------------------------------------|--------|-----------------------|
     | RequestError                           | .status (400, 404, 413) | invalid_request_error |
-    | WorkerError invalid_request            | 400    | invalid_request_error |
+    | WorkerError invalid_request, invalid_grammar | 400 | invalid_request_error |
     | WorkerError context_too_long           | 400 (param "messages")  | invalid_request_error |
     | WorkerError overloaded                 | 429 + Retry-After | rate_limit_error |
     | NoWorkerAvailable                      | 503    | service_unavailable   |
@@ -41,7 +41,9 @@ def request_error(_: Request, exc: RequestError) -> Response[ErrorBody]:
 
 def dispatch_error(_: Request, exc: DispatchError) -> Response[ErrorBody]:
     """The table above, for every ``DispatchError``."""
-    if isinstance(exc, WorkerError) and exc.code in ("invalid_request", "context_too_long"):
+    if isinstance(exc, WorkerError) and exc.code in (
+        "invalid_request", "invalid_grammar", "context_too_long"
+    ):
         param = "messages" if exc.code == "context_too_long" else None
         return _json(error_body(exc.message, param=param, code=exc.code), 400)
     if isinstance(exc, WorkerError) and exc.code == "overloaded":

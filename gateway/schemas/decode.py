@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from engine.protocol import SamplingSpec
-from engine.sampling_params import SEED_LIMIT
+from engine.sampling_params import SEED_LIMIT, StructuredSpec
 from gateway.schemas.requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -18,6 +18,7 @@ from gateway.schemas.requests import (
     ToolChoice,
 )
 from gateway.schemas.responses import ErrorBody, error_body
+from gateway.structured import StructuredError, structured_spec
 
 
 class RequestError(ValueError):
@@ -88,12 +89,17 @@ def to_sampling_spec(
     ``max_completion_tokens`` wins over ``max_tokens``; absent, ``default_max_tokens`` (the
     caller caps it by the context left). A seed outside [0, 2**63) wraps into it (OpenAI takes
     any int64). Chat ``logprobs``: false/absent -> None, true -> ``top_logprobs`` or 0.
-    Stop strings are not here: the gateway matches them on the detokenized text.
+    Stop strings are not here: the gateway matches them on the detokenized text. A forcing
+    ``tool_choice`` or a JSON ``response_format`` becomes ``structured`` (``gateway.structured``).
+
+    Raises:
+        RequestError: a schema that cannot be enforced, naming its parameter.
     """
-    max_tokens = req.max_tokens
+    max_tokens, structured = req.max_tokens, None
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens or max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        structured = _structured(req)
     else:
         logprobs = req.logprobs
     return SamplingSpec(
@@ -103,7 +109,15 @@ def to_sampling_spec(
         seed=None if req.seed is None else req.seed % SEED_LIMIT,
         stop_token_ids=list(stop_token_ids),
         logprobs=logprobs,
+        structured=structured,
     )
+
+
+def _structured(req: ChatCompletionRequest) -> StructuredSpec | None:
+    try:
+        return structured_spec(req)
+    except StructuredError as e:
+        raise RequestError(str(e), param=e.param) from None
 
 
 def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
@@ -177,6 +191,7 @@ def _check_chat(req: ChatCompletionRequest) -> None:
             code="missing_required_parameter",
         )
     _check_tools(req.tools or [], req.tool_choice)
+    _structured(req)  # NOTE: a schema that cannot be enforced is a 400 before any prompt work
 
 
 def _check_tools(tools: list[Tool], choice: ToolChoice | None) -> None:

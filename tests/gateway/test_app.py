@@ -225,3 +225,20 @@ def test_serve_without_asgi_server_says_so(
 ) -> None:
     assert cli_main(["serve", "--model", str(model_dir)]) == 2
     assert "no ASGI server installed" in capsys.readouterr().err
+
+
+def test_chat_logprobs_line_up_with_tokens(client: TestClient[Litestar]) -> None:
+    """The sim worker is a uniform model: every token's logprob is -log(choices), and the top
+    alternatives tie with it."""
+    resp = client.post(URL, json=_chat(max_tokens=6, logprobs=True, top_logprobs=3))
+    assert resp.status_code == 200, resp.text
+    out = resp.json()["choices"][0]
+    content = out["logprobs"]["content"]
+    assert len(content) == resp.json()["usage"]["completion_tokens"] == 6, content
+    for entry in content:
+        assert entry["logprob"] < 0 and len(entry["top_logprobs"]) == 3, entry
+        assert entry["top_logprobs"][0]["token"] == entry["token"], entry
+        assert {t["logprob"] for t in entry["top_logprobs"]} == {entry["logprob"]}, entry
+        assert isinstance(entry["bytes"], list), entry
+    plain = client.post(URL, json=_chat(max_tokens=6)).json()["choices"][0]
+    assert plain.get("logprobs") is None, plain

@@ -1,0 +1,193 @@
+"""Grammar-constrained decoding with llguidance: compile a ``StructuredSpec`` against the model's
+tokenizer, then per request compute which tokens may come next and advance with each sampled one.
+
+    GrammarCompiler (one per engine)           GrammarMatcher (one per request)
+      tokenizer.json -> LLTokenizer, once        allowed(vocab) -> bool [V] for the next token
+      LRU: grammar text -> compiled matcher      accept(token) after each sampled token
+                                                 is_terminated: an EOS the grammar accepted
+
+NOTE (state): a matcher has consumed exactly its request's ``output_ids``. Preemption keeps the
+output ids and recomputes only their KV, so a resumed request's matcher just continues; nothing
+is rolled back or replayed.
+
+llguidance is imported only when a grammar is compiled, so ``import engine`` stays light, and this
+module imports no torch (the gateway checks grammars with ``check_grammar``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from engine.sampling_params import StructuredSpec
+
+if TYPE_CHECKING:
+    import llguidance
+
+logger = logging.getLogger(__name__)
+
+# JSON as `json.dumps` and the chat template's `tojson` write it, so a constrained tool call reads
+# exactly like one the template renders (and a small model cannot loop on whitespace).
+JSON_FORMAT: dict[str, Any] = {
+    "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+}
+MAX_CACHED_GRAMMARS = 128
+_MAX_ERROR_CHARS = 400
+
+
+class GrammarError(ValueError):
+    """A grammar that does not compile, or no tokenizer to compile it with (the worker's
+    ``invalid_grammar``)."""
+
+
+def grammar_text(spec: StructuredSpec) -> str:
+    """llguidance's grammar for a spec (no tokenizer needed; not yet checked).
+
+    Raises:
+        GrammarError: ``json_schema`` is not JSON text of an object.
+    """
+    from llguidance import LLMatcher
+
+    if spec.lark is not None:
+        return LLMatcher.grammar_from_lark(spec.lark)
+    try:
+        schema = json.loads(spec.json_schema or "")
+    except ValueError as e:
+        raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise GrammarError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+    return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT)  # type: ignore[arg-type]
+
+
+def check_grammar(spec: StructuredSpec) -> None:
+    """Compile without a tokenizer (special-token names are checked only by the engine).
+
+    Raises:
+        GrammarError: naming what llguidance rejects (an unsupported schema keyword, a Lark
+            syntax error, ...).
+    """
+    from llguidance import LLMatcher
+
+    error = LLMatcher.validate_grammar(grammar_text(spec))
+    if error:
+        raise GrammarError(_short(error))
+
+
+class GrammarMatcher:
+    """One request's position in its grammar.
+
+    Args:
+        matcher: a fresh ``llguidance.LLMatcher`` (a copy of the compiler's cached one).
+        eos_token_ids: the ids the grammar ends with (the compiler's tokenizer's EOS tokens).
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, eos_token_ids: tuple[int, ...]) -> None:
+        self._matcher = matcher
+        self._eos = frozenset(eos_token_ids)
+        self.is_terminated = False  # consumed an EOS the grammar allowed: the request is done
+
+    def allowed(self, vocab_size: int) -> np.ndarray:
+        """bool [vocab_size]: the tokens that may come next (only EOS once the grammar is
+        complete, or if the matcher failed; ids past the tokenizer are never allowed)."""
+        if self._matcher.is_error():
+            return self._eos_only(vocab_size)
+        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[:vocab_size].astype(bool)
+        if allowed.shape[0] < vocab_size:
+            allowed = np.pad(allowed, (0, vocab_size - allowed.shape[0]))
+        return allowed if allowed.any() else self._eos_only(vocab_size)
+
+    def accept(self, token_id: int) -> None:
+        """Advance by one sampled token (which ``allowed`` allowed)."""
+        if self._matcher.is_error():
+            return
+        if not self._matcher.consume_token(token_id):
+            # NOTE: cannot happen for a token drawn under `allowed`; if it does (a bug, a parser
+            # limit), the next mask allows only EOS, so the request still ends.
+            logger.warning("grammar rejected token %d: %s", token_id, self._matcher.get_error())
+            return
+        if token_id in self._eos and self._matcher.is_stopped():
+            self.is_terminated = True
+
+    def _eos_only(self, vocab_size: int) -> np.ndarray:
+        allowed = np.zeros(vocab_size, dtype=bool)
+        allowed[[t for t in self._eos if t < vocab_size]] = True
+        return allowed
+
+
+class GrammarCompiler:
+    """Builds matchers for one model: the llguidance tokenizer (from ``tokenizer.json``, once, on
+    the first grammar) and a bounded LRU of compiled grammars keyed by their text.
+
+    Args:
+        model_path: the model directory (its ``tokenizer.json``); None: grammars are refused.
+        vocab_size: the model's vocabulary (logit columns); ids the tokenizer lacks are never
+            allowed.
+        eos_token_ids: the engine's EOS ids; a complete grammar allows exactly these.
+    """
+
+    def __init__(self, model_path: str | None, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 max_cached: int = MAX_CACHED_GRAMMARS) -> None:
+        self.model_path = model_path
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.max_cached = max_cached
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._cache: OrderedDict[StructuredSpec, llguidance.LLMatcher] = OrderedDict()
+
+    def matcher(self, spec: StructuredSpec) -> GrammarMatcher:
+        """A fresh matcher for ``spec`` at the start of its grammar.
+
+        Raises:
+            GrammarError: the grammar does not compile against this model's tokenizer, or the
+                model directory has no ``tokenizer.json``.
+        """
+        compiled = self._cache.get(spec)
+        if compiled is None:
+            compiled = self._compile(spec)
+            self._cache[spec] = compiled
+            if len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(spec)
+        return GrammarMatcher(compiled.deep_copy(), self.eos_token_ids)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cache)
+
+    def _compile(self, spec: StructuredSpec) -> llguidance.LLMatcher:
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self._get_tokenizer(), grammar_text(spec), log_level=0)
+        if matcher.is_error():
+            raise GrammarError(_short(matcher.get_error()))
+        return matcher
+
+    def _get_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            path = Path(self.model_path) / "tokenizer.json" if self.model_path else None
+            if path is None or not path.is_file():
+                raise GrammarError(
+                    "structured output needs the model's tokenizer.json, and this worker has none"
+                )
+            from llguidance import LLTokenizer
+
+            try:
+                self._tokenizer = LLTokenizer(path.read_text(encoding="utf-8"),
+                                              n_vocab=self.vocab_size,
+                                              eos_token=list(self.eos_token_ids) or None)
+            except Exception as e:  # NOTE: llguidance raises plain exceptions for a bad file
+                raise GrammarError(f"{path}: not usable for structured output: {e}") from None
+        return self._tokenizer
+
+
+def _short(error: str) -> str:
+    """llguidance errors can list every special token; keep the head."""
+    error = error.strip()
+    return error if len(error) <= _MAX_ERROR_CHARS else error[:_MAX_ERROR_CHARS] + " ..."

@@ -1,0 +1,178 @@
+"""Structured output through the gateway (``gateway.structured``) against real workers on the demo
+model: forced tool calls (``tool_choice`` "required" or named) and JSON ``response_format`` come
+back valid, from the native backend (the real sampler) and the sim backend (which draws among the
+grammar's allowed tokens too); a schema that cannot be enforced is a 400 naming its parameter."""
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from litestar import Litestar
+from litestar.testing import TestClient
+
+from gateway.app import GatewayConfig, create_app
+from gateway.cli import init_demo_model
+from gateway.schemas import decode_chat_request, to_sampling_spec
+from gateway.serve import spawn_worker
+from gateway.structured import tool_call_grammar
+
+URL = "/v1/chat/completions"
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 5},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "unit": {"enum": ["c", "f"]},
+    },
+    "required": ["city", "days", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "ping"}},  # no parameters: arguments are {}
+]
+PARAMS = {"get_weather": WEATHER, "ping": {"type": "object", "properties": {},
+                                          "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_demo_model(tmp_path_factory.mktemp("structured") / "demo")
+
+
+@pytest.fixture(scope="module", params=["native", "sim"])
+def client(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[TestClient[Litestar]]:
+    extra = ["--cost", "zero"] if request.param == "sim" else ["--device", "cpu"]
+    worker = spawn_worker(model_dir=model_dir, backend=request.param,
+                          worker_id=f"structured-{request.param}", extra_args=extra, timeout_s=120)
+    try:
+        cfg = GatewayConfig(model_dir=model_dir, workers=(worker.listen,), model_name="demo")
+        with TestClient(create_app(cfg), raise_server_exceptions=False) as test_client:
+            yield test_client
+    finally:
+        worker.stop()
+
+
+def _chat(**overrides: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "max_tokens": 200,
+        "temperature": 1.0,
+    }
+    return body | overrides
+
+
+def _post(client: TestClient[Litestar], body: dict[str, Any]) -> dict[str, Any]:
+    resp = client.post(URL, json=body)
+    assert resp.status_code == 200, resp.text
+    [choice] = resp.json()["choices"]
+    return choice
+
+
+def _assert_valid_call(call: dict[str, Any], names: set[str]) -> None:
+    fn = call["function"]
+    assert fn["name"] in names, call
+    arguments = json.loads(fn["arguments"])
+    schema = PARAMS[fn["name"]]
+    assert isinstance(arguments, dict), call
+    assert arguments.keys() == set(schema.get("required", ())), call
+    if fn["name"] == "get_weather":
+        assert isinstance(arguments["city"], str) and len(arguments["city"]) <= 5, call
+        assert type(arguments["days"]) is int and 1 <= arguments["days"] <= 7, call
+        assert arguments["unit"] in ("c", "f"), call
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_tool_choice_required_yields_one_valid_call(
+    client: TestClient[Litestar], seed: int
+) -> None:
+    choice = _post(client, _chat(tools=TOOLS, tool_choice="required", seed=seed,
+                                 parallel_tool_calls=False))
+    assert choice["finish_reason"] == "tool_calls", choice
+    message = choice["message"]
+    assert not message.get("content"), message
+    [call] = message["tool_calls"]
+    _assert_valid_call(call, {"get_weather", "ping"})
+
+
+def test_tool_choice_required_parallel_calls_are_all_valid(client: TestClient[Litestar]) -> None:
+    for seed in (4, 5):
+        choice = _post(client, _chat(tools=TOOLS, tool_choice="required", seed=seed))
+        calls = choice["message"]["tool_calls"]
+        # NOTE: a random model may keep calling until max_tokens cuts the last call short
+        assert calls, choice
+        for call in calls:
+            _assert_valid_call(call, {"get_weather", "ping"})
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_named_tool_choice_calls_that_tool(client: TestClient[Litestar], seed: int) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    choice = _post(client, _chat(tools=TOOLS, tool_choice=named, seed=seed,
+                                 parallel_tool_calls=False))
+    assert choice["finish_reason"] == "tool_calls", choice
+    [call] = choice["message"]["tool_calls"]
+    _assert_valid_call(call, {"get_weather"})
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_response_format_json_schema_yields_valid_json(
+    client: TestClient[Litestar], seed: int
+) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
+    choice = _post(client, _chat(response_format=fmt, seed=seed))
+    assert choice["finish_reason"] == "stop", choice
+    value = json.loads(choice["message"]["content"])
+    _assert_valid_call({"function": {"name": "get_weather", "arguments": json.dumps(value)}},
+                       {"get_weather"})
+
+
+def test_response_format_json_object_yields_an_object(client: TestClient[Litestar]) -> None:
+    fmt = {"type": "json_object"}
+    choice = _post(client, _chat(response_format=fmt, seed=9, temperature=0.0))
+    # NOTE: any object: a random model may write one longer than max_tokens
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(choice["message"]["content"]), dict), choice
+    else:
+        assert choice["message"]["content"].startswith("{"), choice
+
+
+@pytest.mark.parametrize(("overrides", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "if": {}}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "wat"}}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+     "response_format.json_schema.schema"),
+    ({"tools": [TOOLS[1], {"type": "function", "function": {
+        "name": "bad", "parameters": {"type": "object", "properties": {"x": {"type": "wat"}}}}}],
+      "tool_choice": "required"}, "tools[1].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "s"}}},
+     "tools[0].function.parameters"),
+])
+def test_schema_that_cannot_be_enforced_is_400_naming_the_param(
+    client: TestClient[Litestar], overrides: dict[str, Any], param: str
+) -> None:
+    resp = client.post(URL, json=_chat(**overrides))
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+def test_auto_and_none_are_unconstrained() -> None:
+    for choice in ("auto", "none"):
+        req = decode_chat_request(json.dumps(_chat(tools=TOOLS, tool_choice=choice)).encode())
+        assert to_sampling_spec(req, default_max_tokens=8).structured is None
+
+
+def test_tool_grammar_writes_the_chat_templates_call_format() -> None:
+    tool = decode_chat_request(json.dumps(_chat(tools=TOOLS)).encode()).tools or []
+    lark = tool_call_grammar([(0, tool[0])], parallel=False)
+    assert lark.startswith("start: call\n"), lark
+    assert 'call: <tool_call> "\\n" (fn_0) "\\n" </tool_call>' in lark, lark
+    assert '"{\\"name\\": \\"get_weather\\", \\"arguments\\": "' in lark, lark
