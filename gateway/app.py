@@ -7,20 +7,26 @@ from pathlib import Path
 from litestar import Litestar
 from litestar.datastructures import State
 from litestar.di import Provide
+from litestar.openapi import OpenAPIConfig
 
 from gateway.controllers.health import HealthController
+from gateway.controllers.metrics import MetricsPlugin
 from gateway.controllers.openai import (
     ChatCompletionsController,
     CompletionsController,
     ModelsController,
 )
+from gateway.controllers.sessions import SessionsController, session_ws
 from gateway.errors import ERROR_HANDLERS
 from gateway.lifespan import (
     dispatcher_lifespan,
     model_lifespan,
     provide_dispatcher,
     provide_model,
+    provide_sessions,
+    sessions_lifespan,
 )
+from gateway.openapi import openapi_json
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
@@ -32,6 +38,10 @@ class GatewayConfig:
     workers: the workers' ROUTER endpoints (``tcp://host:port``); at least one.
     model_name: the id in ``/v1/models`` and responses (default: ``model_dir``'s name).
     max_body_bytes: larger request bodies get 413.
+    redis_url: the Redis session store (``redis://host:port/db``); None keeps sessions in memory.
+    max_sessions: the memory store's bound (least recently used evicted first).
+    session_ttl_s: a session idle this long expires (memory and Redis alike).
+    retain_ttl_s: how long a worker keeps a session's tail KV after a turn, while a tool runs.
     """
 
     model_dir: Path
@@ -40,23 +50,42 @@ class GatewayConfig:
     port: int = 8000
     model_name: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    redis_url: str | None = None
+    max_sessions: int = 10_000
+    session_ttl_s: float = 3600.0
+    retain_ttl_s: float = 60.0
 
     def __post_init__(self) -> None:
         assert self.workers, "GatewayConfig needs at least one worker endpoint"
         assert self.max_body_bytes > 0, f"{self.max_body_bytes=}"
+        assert self.max_sessions > 0 and self.session_ttl_s > 0, f"{self}: session bounds > 0"
+        assert self.retain_ttl_s >= 0, f"{self.retain_ttl_s=}"
 
 
 def create_app(cfg: GatewayConfig) -> Litestar:
     return Litestar(
         route_handlers=[
-            HealthController, ModelsController, ChatCompletionsController, CompletionsController
+            HealthController, ModelsController, ChatCompletionsController, CompletionsController,
+            openapi_json, SessionsController, session_ws,
         ],
         dependencies={
             "model": Provide(provide_model, sync_to_thread=False),
             "dispatcher": Provide(provide_dispatcher, sync_to_thread=False),
+            "sessions": Provide(provide_sessions, sync_to_thread=False),
         },
-        lifespan=[model_lifespan, dispatcher_lifespan],
+        lifespan=[model_lifespan, dispatcher_lifespan, sessions_lifespan],
         exception_handlers=ERROR_HANDLERS,
         state=State({"cfg": cfg}),
         request_max_body_size=cfg.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="agentgate", version=_version()),
+        plugins=[MetricsPlugin()],  # NOTE: GET /metrics; its lifespan runs after the ones above
     )
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("agentgate")
+    except PackageNotFoundError:
+        return "0.0.0"

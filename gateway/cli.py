@@ -6,6 +6,7 @@
     agentgate worker --listen tcp://HOST:PORT --events tcp://HOST:PORT [--model DIR] ...
                                       serve one engine over ZeroMQ (``agentgate worker -h``)
     agentgate serve [--model DIR] [--workers N] [--worker tcp://...] [--host H] [--port P]
+                    [--redis URL]
                                       the OpenAI-compatible gateway over N worker subprocesses
 
 Heavy modules (torch, the engine) are imported inside the commands, so ``agentgate --help`` and
@@ -134,7 +135,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise CliError("need --workers >= 1 or at least one --worker endpoint")
     try:
         return serve(model_dir=model_dir, num_workers=num_workers, attach=args.worker,
-                     host=args.host, port=args.port, backend=args.backend)
+                     host=args.host, port=args.port, backend=args.backend,
+                     redis_url=args.redis)
     except ServeError as e:
         raise CliError(str(e)) from None
 
@@ -179,6 +181,8 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--backend", choices=("native", "sim"), default="native",
                        help="backend of the spawned workers")
+    serve.add_argument("--redis", metavar="URL", default=None,
+                       help="keep sessions in Redis (redis://host:port/db; default: in memory)")
     serve.set_defaults(func=_cmd_serve)
     return parser
 

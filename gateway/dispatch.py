@@ -1,8 +1,10 @@
 """Async ZeroMQ clients to the engine workers: a ``WorkerClient`` each, a ``Dispatcher`` over all.
 
-A ``WorkerClient`` owns one DEALER socket. A background task receives every reply and routes it by
-``request_id`` to that request's queue, so many streams share the socket; a second task sends a
-``GetLoad`` heartbeat every ``heartbeat_s``. When nothing at all (a reply or a heartbeat's
+A ``WorkerClient`` owns one DEALER socket. An event-loop reader on the socket's FD drains every
+reply and routes it by ``request_id`` to that request's queue, so many streams share the socket;
+a task sends a ``GetLoad`` heartbeat every ``heartbeat_s``. The socket is a plain (not
+``zmq.asyncio``) one, read only in non-blocking calls from the loop: zmq.asyncio costs a Future
+and a reader re-registration per message. When nothing at all (a reply or a heartbeat's
 ``LoadReport``) arrives for ``dead_after_s``, the worker is marked dead and each in-flight request
 fails with ``WorkerDead(started)``; any later message marks it alive again.
 
@@ -26,7 +28,6 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterable
 
 import zmq
-import zmq.asyncio
 
 from engine.protocol import (
     PROTOCOL_VERSION,
@@ -44,6 +45,7 @@ from engine.protocol import (
     decode_worker,
     encode,
 )
+from gateway.metrics import StreamStats
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +136,9 @@ class WorkerClient:
         self.welcome: Welcome | None = None
         self.last_load: LoadReport | None = None
         self.is_alive = False
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: zmq.Socket[bytes] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._welcome: asyncio.Future[Welcome] | None = None
         self._streams: dict[str, _Stream] = {}
         # NOTE: the worker answers GetLoads in order; None marks a heartbeat's report.
         self._load_waiters: deque[asyncio.Future[LoadReport] | None] = deque()
@@ -156,11 +160,15 @@ class WorkerClient:
             HandshakeError: no Welcome within ``connect_timeout_s``, or a version mismatch.
         """
         assert self._sock is None, "connect() twice"
-        self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        loop = self._loop = asyncio.get_running_loop()
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(self.endpoint)
+        self._welcome = loop.create_future()
+        loop.add_reader(self._sock.getsockopt(zmq.FD), self._drain)
+        self._send(Hello(version=PROTOCOL_VERSION, client_id=self.client_id))
         try:
-            self.welcome = await asyncio.wait_for(self._handshake(), self.connect_timeout_s)
+            self.welcome = await asyncio.wait_for(self._welcome, self.connect_timeout_s)
         except TimeoutError:
             self.close()
             msg = f"no Welcome from {self.endpoint} in {self.connect_timeout_s} s"
@@ -170,8 +178,7 @@ class WorkerClient:
             raise
         self.is_alive = True
         self._last_seen = time.monotonic()
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._receive()), loop.create_task(self._heartbeat())]
+        self._tasks = [loop.create_task(self._heartbeat())]
         return self.welcome
 
     async def generate(
@@ -247,37 +254,38 @@ class WorkerClient:
         self._fail_all(lambda _: DispatchError(f"client of {self.name} closed"))
         self.is_alive = False
         if self._sock is not None:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
             self._sock.close(linger=0)
             self._sock = None
 
     # ------------------------------------------------------------------ private
 
-    async def _handshake(self) -> Welcome:
-        assert self._sock is not None
-        await self._sock.send(encode(Hello(version=PROTOCOL_VERSION, client_id=self.client_id)))
-        while True:
-            msg = decode_worker(await self._sock.recv())
-            if isinstance(msg, Welcome):
-                return msg
-            if isinstance(msg, ErrorReply) and msg.code == "version_mismatch":
-                raise HandshakeError(f"{self.endpoint}: {msg.message}")
-            logger.warning("ignoring %r before Welcome from %s", msg, self.endpoint)
+    def _drain(self) -> None:
+        """Read every queued reply (the loop calls this when the socket's FD is readable).
 
-    async def _receive(self) -> None:
-        assert self._sock is not None
-        while True:
-            data = await self._sock.recv()
-            self._last_seen = time.monotonic()
-            if not self.is_alive:
-                logger.warning("worker %s answers again", self.name)
-                self.is_alive = True
-            try:
-                self._route(decode_worker(data))
-            except ProtocolError as exc:
-                logger.error("dropping a reply from %s: %s", self.name, exc)
+        NOTE: the FD is edge-triggered: reading ``EVENTS`` re-arms it, so read until POLLIN is off.
+        """
+        sock = self._sock
+        while sock is not None and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._on_message(sock.recv(zmq.NOBLOCK))
+            sock = self._sock  # NOTE: routing may have closed it
+
+    def _on_message(self, data: bytes) -> None:
+        self._last_seen = time.monotonic()
+        if not self.is_alive and self.welcome is not None:
+            logger.warning("worker %s answers again", self.name)
+            self.is_alive = True
+        try:
+            self._route(decode_worker(data))
+        except ProtocolError as exc:
+            logger.error("dropping a reply from %s: %s", self.name, exc)
 
     def _route(self, msg: object) -> None:
-        if isinstance(msg, LoadReport):
+        if type(msg) is TokenDelta:  # NOTE: the common case first
+            if (stream := self._streams.get(msg.request_id)) is not None:
+                self._deliver(stream, msg)
+        elif isinstance(msg, LoadReport):
             self.last_load = msg
             waiter = self._load_waiters.popleft() if self._load_waiters else None
             if waiter is not None and not waiter.done():
@@ -286,8 +294,21 @@ class WorkerClient:
             stream = self._streams.get(msg.request_id)
             if stream is not None:  # NOTE: None = a request we stopped waiting for
                 self._deliver(stream, msg)
-        elif isinstance(msg, ErrorReply):
-            logger.error("worker %s: %s: %s", self.name, msg.code, msg.message)
+        elif isinstance(msg, Welcome | ErrorReply) and not self._handshake_done(msg):
+            logger.error("worker %s: unexpected %r", self.name, msg)
+
+    def _handshake_done(self, msg: Welcome | ErrorReply) -> bool:
+        """Resolve ``connect()``'s wait with ``msg``; False when nothing waits for it."""
+        waiter = self._welcome
+        if waiter is None or waiter.done():
+            return False
+        if isinstance(msg, Welcome):
+            waiter.set_result(msg)
+        elif msg.code == "version_mismatch":
+            waiter.set_exception(HandshakeError(f"{self.endpoint}: {msg.message}"))
+        else:
+            return False
+        return True
 
     def _deliver(self, stream: _Stream, msg: TokenDelta | Finished | ErrorReply) -> None:
         if stream.overflowed:
@@ -329,8 +350,11 @@ class WorkerClient:
             timeout_s, what = idle_s or self.idle_timeout_s, "next"
         else:
             timeout_s, what = first_s or self.first_token_timeout_s, "first"
+        if not stream.queue.empty():  # NOTE: no timer when the item is already here
+            return stream.queue.get_nowait()
         try:
-            return await asyncio.wait_for(stream.queue.get(), timeout_s)
+            async with asyncio.timeout(timeout_s):  # NOTE: wait_for would start a Task per item
+                return await stream.queue.get()
         except TimeoutError:
             return DispatchTimeout(f"{rid}: no {what} token from {self.name} in {timeout_s} s")
 
@@ -345,15 +369,19 @@ class WorkerClient:
     def _send(self, msg: ClientMsg) -> bool:
         """Queue ``msg``; False when the socket's queue is full (the worker is away too long).
 
-        NOTE: zmq.asyncio sends at once when the pipe has room (a DEALER queues while its peer
-        is away), so this never awaits: safe in the finally block of a cancelled generator.
+        NOTE: a DEALER queues while its peer is away, so this never blocks: safe in the finally
+        block of a cancelled generator. A send may consume the FD's edge for a reply that arrived
+        meanwhile, so it schedules a drain when one is waiting.
         """
-        assert self._sock is not None
+        sock = self._sock
+        assert sock is not None and self._loop is not None
         try:
-            self._sock.send(encode(msg), flags=zmq.NOBLOCK)
+            sock.send(encode(msg), flags=zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("send queue to %s is full: dropped %s", self.name, type(msg).__name__)
             return False
+        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._loop.call_soon(self._drain)
         return True
 
 
@@ -374,6 +402,7 @@ class Dispatcher:
         assert max_retries >= 0 and max_sessions > 0
         self.max_retries = max_retries
         self.max_sessions = max_sessions
+        self.stats = StreamStats()
         self._sessions: OrderedDict[str, WorkerClient] = OrderedDict()
 
     def pick(
@@ -404,6 +433,8 @@ class Dispatcher:
             NoWorkerAvailable, WorkerError, DispatchTimeout, ...: as ``WorkerClient.generate``.
         """
         tried: list[WorkerClient] = []
+        stats = self.stats
+        last_s = time.perf_counter()  # NOTE: the dispatch time, then the last delta's
         for attempt in itertools.count():
             client = self.pick(request.session_id, exclude=tried)
             tried.append(client)
@@ -411,6 +442,12 @@ class Dispatcher:
             try:
                 async with contextlib.aclosing(client.generate(request, **timeouts)) as stream:
                     async for item in stream:
+                        now_s = time.perf_counter()
+                        if type(item) is TokenDelta:
+                            (stats.itl if started else stats.ttft).observe(now_s - last_s)
+                            last_s = now_s
+                        else:
+                            stats.finished(item)
                         started = True
                         yield item
                 return

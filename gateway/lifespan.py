@@ -1,14 +1,15 @@
 """One lifespan per resource the app holds on ``app.state``: the model (tokenizer, prompt cache,
-context length) and the dispatcher over the workers. Each is opened at startup and closed at
-shutdown; nothing lives in module globals."""
+context length), the dispatcher over the workers and the session store. Each is opened at
+startup and closed at shutdown; nothing lives in module globals."""
 
 import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from litestar import Litestar
 from litestar.datastructures import State
@@ -16,10 +17,12 @@ from litestar.datastructures import State
 from gateway.dispatch import Dispatcher, DispatchError, WorkerClient
 from gateway.prompt_cache import PromptCache
 from gateway.tokenizer import Tokenizer
+from sessions import SessionManager, SessionPrompter, StoreUnavailable, create_session_store
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONTEXT = 8192
+SHUTDOWN_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +75,48 @@ async def _connect(client: WorkerClient) -> None:
         logger.warning("worker %s unavailable: %s", client.endpoint, exc)
         return
     logger.info("connected to worker %s at %s", welcome.worker_id, client.endpoint)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionsState:
+    """The session API's resources. ``background``: turn records still being written for
+    requests that are gone (see ``gateway.turns.Turn.close``); awaited at shutdown."""
+
+    manager: SessionManager
+    prompter: SessionPrompter
+    retain_ttl_s: float | None
+    background: set[asyncio.Task[Any]] = field(default_factory=set)
+
+
+@asynccontextmanager
+async def sessions_lifespan(app: Litestar) -> AsyncIterator[None]:
+    """The session store ``cfg.redis_url`` names (Redis, checked with a PING), else memory.
+
+    Raises:
+        StoreUnavailable: Redis does not answer; the app does not start.
+    """
+    cfg = app.state.cfg
+    try:
+        store = await create_session_store(
+            cfg.redis_url, max_sessions=cfg.max_sessions, idle_ttl_s=cfg.session_ttl_s
+        )
+    except StoreUnavailable as exc:
+        logger.error("session store: %s", exc)
+        raise
+    logger.info("session store: %s", "redis" if cfg.redis_url else "memory")
+    prompter = SessionPrompter.for_tokenizer(app.state.model.tokenizer)
+    app.state.sessions = state = SessionsState(SessionManager(store), prompter, cfg.retain_ttl_s)
+    try:
+        yield
+    finally:
+        if state.background:
+            await asyncio.wait(state.background, timeout=SHUTDOWN_TIMEOUT_S)
+        await store.close()
+        del app.state.sessions
+
+
+def provide_sessions(state: State) -> SessionsState:
+    return state.sessions
 
 
 def provide_model(state: State) -> ModelState:

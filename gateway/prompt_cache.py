@@ -55,16 +55,23 @@ class PromptCacheStats:
     misses: int = 0
     fallbacks: int = 0  # requests rendered and tokenized in full because a check failed
     reused_tokens: int = 0
+    tokenized_tokens: int = 0  # prompt token ids that were tokenized (not reused)
     evictions: int = 0
 
 
 class PromptCache:
     """Token ids of recent conversations, bounded by `max_entries` and by `max_tokens` stored
     (least recently used first out). Tenants with different `cache_salt` never share entries;
-    different `tools` (or another chat template) never share entries either."""
+    different `tools` (or another chat template) never share entries either.
+
+    NOTE: the bound is what keeps the gateway's memory flat. A stored token costs 8 bytes (a list
+    slot) plus, once per conversation, a 28-byte int for ids above 256 (turns of one conversation
+    share their prefix's ints), so the default 4M tokens is ~40-150 MB. A conversation pushed out
+    is rendered and tokenized in full on its next turn: correct, only slower.
+    """
 
     def __init__(
-        self, tokenizer: Tokenizer, max_entries: int = 10_000, max_tokens: int = 50_000_000
+        self, tokenizer: Tokenizer, max_entries: int = 10_000, max_tokens: int = 4_000_000
     ) -> None:
         assert max_entries > 0 and max_tokens > 0, f"{max_entries=}, {max_tokens=}: must be > 0"
         self._tokenizer = tokenizer
@@ -105,7 +112,7 @@ class PromptCache:
         kind = (has_tools, num_cached > 0)
         if kind not in self._verified and not self._verify(kind, messages, tools, token_ids):
             return self._full(messages, tools, count_fallback=True)
-        self._count(num_cached, len(prefix_ids))
+        self._count(num_cached, len(prefix_ids), len(body_ids) + len(gen_ids))
         self._store(hashes, num_cached, [*prefix_ids, *body_ids])
         return EncodedPrompt(token_ids, len(prefix_ids), rendered_chars)
 
@@ -179,11 +186,14 @@ class PromptCache:
         count_fallback: bool,
     ) -> EncodedPrompt:
         text = self._tokenizer.apply_chat_template(messages, tools, add_generation_prompt=True)
+        token_ids = self._tokenizer.encode(text)
         self.stats.misses += 1
         self.stats.fallbacks += count_fallback
-        return EncodedPrompt(self._tokenizer.encode(text), 0, len(text))
+        self.stats.tokenized_tokens += len(token_ids)
+        return EncodedPrompt(token_ids, 0, len(text))
 
-    def _count(self, num_cached: int, reused_tokens: int) -> None:
+    def _count(self, num_cached: int, reused_tokens: int, tokenized_tokens: int) -> None:
+        self.stats.tokenized_tokens += tokenized_tokens
         if num_cached:
             self.stats.hits += 1
             self.stats.reused_tokens += reused_tokens

@@ -94,22 +94,27 @@ def serve(
     host: str,
     port: int,
     backend: str,
+    redis_url: str | None = None,
 ) -> int:
     """Spawn ``num_workers`` workers (none when ``attach`` is given and ``num_workers`` is 0),
-    run the app until Ctrl-C, stop the workers."""
+    run the app until Ctrl-C, stop the workers. ``redis_url``: the session store (checked
+    first: an unreachable Redis is a ``ServeError``); None keeps sessions in memory."""
     try:
         import uvicorn
     except ImportError:
         raise ServeError("no ASGI server installed: pip install uvicorn") from None
     from gateway.app import GatewayConfig, create_app
 
+    if redis_url is not None:
+        _check_redis(redis_url)
     _ECHO.set()
     workers: list[WorkerProcess] = []
     try:
         for i in range(num_workers):
             workers.append(spawn_worker(model_dir=model_dir, backend=backend, worker_id=f"w{i}"))
         endpoints = (*attach, *(w.listen for w in workers))
-        cfg = GatewayConfig(model_dir=model_dir, workers=endpoints, host=host, port=port)
+        cfg = GatewayConfig(model_dir=model_dir, workers=endpoints, host=host, port=port,
+                            redis_url=redis_url)
         print(f"agentgate: gateway on http://{host}:{port}/v1 over {len(endpoints)} worker(s)",
               file=sys.stderr)
         uvicorn.run(create_app(cfg), host=host, port=port, log_level="warning")
@@ -117,3 +122,19 @@ def serve(
         for worker in workers:
             worker.stop()
     return 0
+
+
+def _check_redis(url: str) -> None:
+    import asyncio
+
+    from sessions import StoreUnavailable
+    from sessions.redis import connect_redis
+
+    async def ping() -> None:
+        store = await connect_redis(url)
+        await store.close()
+
+    try:
+        asyncio.run(ping())
+    except StoreUnavailable as e:
+        raise ServeError(f"--redis: {e}") from None

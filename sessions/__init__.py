@@ -1,4 +1,54 @@
-"""Agent sessions: the session model, session stores (memory, Redis), tool-call tracking and
-KV retention hints. Imports only `engine.protocol` below it; never litestar or the gateway."""
+"""Agent sessions: the session model, session stores (memory, Redis), tool-call tracking,
+incremental prompts and the turn rules (``SessionManager``). Imports only ``engine.protocol``
+below it; never litestar or the gateway. ``sessions.redis`` (the Redis store) is imported on
+demand, so the memory store does not need the redis package loaded."""
 
-__all__: list[str] = []
+from sessions.errors import (
+    InvalidMessages,
+    SessionError,
+    SessionNotFound,
+    StoreUnavailable,
+    TurnInProgress,
+    VersionConflict,
+)
+from sessions.manager import SessionManager
+from sessions.memory import MemorySessionStore
+from sessions.model import Message, Session, TurnLease, TurnRecord, TurnUsage, new_session
+from sessions.prompt import SessionPrompter, TurnPrompt
+from sessions.store import SessionStore
+from sessions.tools import check_appended, pending_tool_calls
+
+__all__ = [
+    "InvalidMessages",
+    "MemorySessionStore",
+    "Message",
+    "Session",
+    "SessionError",
+    "SessionManager",
+    "SessionNotFound",
+    "SessionPrompter",
+    "SessionStore",
+    "StoreUnavailable",
+    "TurnInProgress",
+    "TurnLease",
+    "TurnPrompt",
+    "TurnRecord",
+    "TurnUsage",
+    "VersionConflict",
+    "check_appended",
+    "create_session_store",
+    "new_session",
+    "pending_tool_calls",
+]
+
+
+async def create_session_store(
+    redis_url: str | None, *, max_sessions: int = 10_000, idle_ttl_s: float = 3600.0
+) -> SessionStore:
+    """The Redis store at ``redis_url`` (checked with a PING; ``StoreUnavailable`` if not
+    reachable), or a ``MemorySessionStore`` when it is None."""
+    if redis_url is None:
+        return MemorySessionStore(max_sessions=max_sessions, idle_ttl_s=idle_ttl_s)
+    from sessions.redis import connect_redis
+
+    return await connect_redis(redis_url, idle_ttl_s=idle_ttl_s)

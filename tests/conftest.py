@@ -1,8 +1,18 @@
-"""Suite-wide hooks: tests marked `gpu` are skipped when CUDA is not available."""
+"""Suite-wide hooks: tests marked `gpu` are skipped when CUDA is not available; `redis_url` runs
+a real redis-server for the session-store tests."""
 
+import contextlib
 import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+REDIS_START_TIMEOUT_S = 10.0
 
 # NOTE: the models under test are tiny; on a 2-core box shared with other work, torch's intra-op
 # threads only add contention (each small op then waits on a busy core). One thread per process,
@@ -22,3 +32,48 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real ``redis-server`` on a free 127.0.0.1 port (no persistence) for the whole run."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed: apt-get install -y redis-server "
+                    "(scripts/test installs it)")
+    work = tmp_path_factory.mktemp("redis")
+    port = _free_port()
+    log = work / "redis.log"
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(work), "--logfile", str(log)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )
+    try:
+        _wait_for_redis(port, proc, log)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_redis(port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + REDIS_START_TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1) as s:
+            s.sendall(b"PING\r\n")
+            if s.recv(16).startswith(b"+PONG"):
+                return
+        time.sleep(0.05)
+    text = log.read_text() if log.exists() else ""
+    pytest.fail(f"redis-server did not start on port {port} (rc={proc.poll()}):\n{text}")

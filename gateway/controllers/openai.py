@@ -80,16 +80,8 @@ class CompletionsController(Controller):
     ) -> Response[Any]:
         req = decode_completion_request(await request.body())
         prompt = model.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
-        left = check_context(model, len(prompt), "prompt")
-        spec = to_sampling_spec(
-            req, default_max_tokens=left, stop_token_ids=model.tokenizer.eos_token_ids
-        )
-        generate = build_generate(
-            model, list(prompt), spec, request_id=new_request_id("cmpl"), param="prompt",
-            cache_salt=cache_salt(tenant_of(request)),
-        )
-        started = await start(dispatcher, generate)
-        head = _Head(generate.request_id, model.name, int(time.time()))
+        salt = cache_salt(tenant_of(request))
+        head, started = await _start(dispatcher, model, req, list(prompt), "prompt", salt)
         if req.stream:
             return ServerSentEvent(_completion_sse(head, req, started, model))
         return Response(await _completion(head, req, started, model))
@@ -108,15 +100,7 @@ class ChatCompletionsController(Controller):
         req = decode_chat_request(await request.body())
         salt = cache_salt(tenant_of(request))
         input_ids = _chat_prompt(req, model, salt)
-        left = check_context(model, len(input_ids), "messages")
-        spec = to_sampling_spec(
-            req, default_max_tokens=left, stop_token_ids=model.tokenizer.eos_token_ids
-        )
-        generate = build_generate(
-            model, input_ids, spec, request_id=new_request_id(), cache_salt=salt
-        )
-        started = await start(dispatcher, generate)
-        head = _Head(generate.request_id, model.name, int(time.time()))
+        head, started = await _start(dispatcher, model, req, input_ids, "messages", salt)
         parse_tools = bool(req.tools) and req.tool_choice != "none"
         opts = OutputOptions(req.stop_strings, parse_tools, logprobs=bool(req.logprobs))
         if req.stream:
@@ -138,6 +122,27 @@ class _Head(msgspec.Struct, frozen=True):
     id: str
     model: str
     created: int
+
+
+async def _start(
+    dispatcher: Dispatcher,
+    model: ModelState,
+    req: ChatCompletionRequest | CompletionRequest,
+    input_ids: list[int],
+    param: str,
+    salt: str | None,
+) -> tuple[_Head, Started]:
+    """Check the context (a 400 on ``param``), send the request, await its first item."""
+    left = check_context(model, len(input_ids), param)
+    spec = to_sampling_spec(
+        req, default_max_tokens=left, stop_token_ids=model.tokenizer.eos_token_ids
+    )
+    prefix = "chatcmpl" if param == "messages" else "cmpl"
+    generate = build_generate(
+        model, input_ids, spec, request_id=new_request_id(prefix), param=param, cache_salt=salt
+    )
+    started = await start(dispatcher, generate)
+    return _Head(generate.request_id, model.name, int(time.time())), started
 
 
 def _chat_prompt(req: ChatCompletionRequest, model: ModelState, salt: str | None) -> list[int]:

@@ -190,11 +190,12 @@ def _check_chat(req: ChatCompletionRequest) -> None:
             param="response_format.json_schema.schema",
             code="missing_required_parameter",
         )
-    _check_tools(req.tools or [], req.tool_choice)
+    check_tools(req.tools or [], req.tool_choice)
     _structured(req)  # NOTE: a schema that cannot be enforced is a 400 before any prompt work
 
 
-def _check_tools(tools: list[Tool], choice: ToolChoice | None) -> None:
+def check_tools(tools: list[Tool], choice: ToolChoice | None) -> None:
+    """Tool names are unique and a named ``tool_choice`` is one of them (raises RequestError)."""
     names: set[str] = set()
     for i, tool in enumerate(tools):
         if tool.function.name in names:

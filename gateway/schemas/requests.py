@@ -162,8 +162,8 @@ _Penalty = Annotated[float, Meta(ge=-2, le=2)] | None
 
 
 class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``POST /v1/chat/completions``. ``user``, ``metadata``, ``store``, ``service_tier`` and
-    ``parallel_tool_calls`` are accepted and ignored; penalties are accepted only as 0."""
+    """``POST /v1/chat/completions``. ``user``, ``metadata``, ``store`` and ``service_tier`` are
+    accepted and ignored; penalties are accepted only as 0."""
 
     model: str
     messages: list[Message]

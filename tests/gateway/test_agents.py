@@ -6,7 +6,6 @@ engine) makes the calls valid, and each tool is enabled only on its own turn, so
 deterministic whatever the weights."""
 
 import asyncio
-from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 import pytest
@@ -26,15 +25,12 @@ from agents import (  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402
 from pydantic import Field  # noqa: E402
 
-from gateway.cli import init_demo_model  # noqa: E402
-from tests.gateway.live import LiveGateway, live_gateway  # noqa: E402
+from tests.gateway.live import LiveGateway  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
-    model_dir = init_demo_model(tmp_path_factory.mktemp("agents") / "demo")
-    with live_gateway(model_dir, backend="native") as live:
-        yield live
+def gateway(native_gateway: LiveGateway) -> LiveGateway:
+    return native_gateway
 
 
 def test_two_tool_loop(gateway: LiveGateway) -> None:

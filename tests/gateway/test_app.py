@@ -16,36 +16,17 @@ from litestar.testing import TestClient
 
 from gateway.app import GatewayConfig, create_app
 from gateway.cli import main as cli_main
-from gateway.serve import WorkerProcess, spawn_worker
+from gateway.serve import WorkerProcess
 from gateway.tokenizer import write_demo_tokenizer
 from tests.gateway.live import live_gateway
 
 MAX_BODY_BYTES = 64 * 1024
-CONTEXT = 8192
 URL = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def worker() -> Iterator[WorkerProcess]:
-    proc = spawn_worker(model_dir=None, backend="sim", worker_id="app-test",
-                        extra_args=["--cost", "zero"], timeout_s=60)
-    try:
-        yield proc
-    finally:
-        proc.stop()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("demo-model")
-    write_demo_tokenizer(out)
-    (out / "config.json").write_text(json.dumps({"max_position_embeddings": CONTEXT}))
-    return out
-
-
-@pytest.fixture(scope="module")
-def client(worker: WorkerProcess, model_dir: Path) -> Iterator[TestClient[Litestar]]:
-    cfg = GatewayConfig(model_dir=model_dir, workers=(worker.listen,), model_name="demo",
+def client(sim_worker: WorkerProcess, tokenizer_dir: Path) -> Iterator[TestClient[Litestar]]:
+    cfg = GatewayConfig(model_dir=tokenizer_dir, workers=(sim_worker.listen,), model_name="demo",
                         max_body_bytes=MAX_BODY_BYTES)
     with TestClient(create_app(cfg), raise_server_exceptions=False) as test_client:
         yield test_client
@@ -81,8 +62,8 @@ def test_health_ready_models(client: TestClient[Litestar]) -> None:
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["demo"], models
 
 
-def test_ready_is_503_without_live_worker(model_dir: Path) -> None:
-    cfg = GatewayConfig(model_dir=model_dir, workers=("tcp://127.0.0.1:9",))
+def test_ready_is_503_without_live_worker(tokenizer_dir: Path) -> None:
+    cfg = GatewayConfig(model_dir=tokenizer_dir, workers=("tcp://127.0.0.1:9",))
     app = create_app(cfg)
     with TestClient(app, raise_server_exceptions=False) as test_client:
         for client_ in app.state.dispatcher.clients:
@@ -221,9 +202,9 @@ def test_agentgate_serve_answers_http_and_stops_its_workers_on_sigint(tmp_path: 
 
 @pytest.mark.skipif(importlib.util.find_spec("uvicorn") is not None, reason="uvicorn installed")
 def test_serve_without_asgi_server_says_so(
-    model_dir: Path, capsys: pytest.CaptureFixture[str]
+    tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli_main(["serve", "--model", str(model_dir)]) == 2
+    assert cli_main(["serve", "--model", str(tokenizer_dir)]) == 2
     assert "no ASGI server installed" in capsys.readouterr().err
 
 

@@ -11,8 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from gateway.cli import init_demo_model
-from tests.gateway.live import LiveGateway, live_gateway
+from tests.gateway.live import LiveGateway
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -21,10 +20,8 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
-    model_dir = init_demo_model(tmp_path_factory.mktemp("oai") / "demo")
-    with live_gateway(model_dir, backend="native") as live:
-        yield live
+def gateway(native_gateway: LiveGateway) -> LiveGateway:
+    return native_gateway
 
 
 @pytest.fixture(scope="module")

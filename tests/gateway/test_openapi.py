@@ -2,7 +2,6 @@
 resolves, and real request and response bodies validate against the documented schemas (and a
 bad one does not), so the document cannot silently drift from the msgspec Structs."""
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,23 +12,14 @@ from litestar import Litestar
 from litestar.testing import TestClient
 
 from gateway.app import GatewayConfig, create_app
-from gateway.serve import WorkerProcess, spawn_worker
-from gateway.tokenizer import write_demo_tokenizer
+from gateway.serve import WorkerProcess
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient[Litestar]]:
-    model_dir: Path = tmp_path_factory.mktemp("openapi-model")
-    write_demo_tokenizer(model_dir)
-    (model_dir / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
-    worker: WorkerProcess = spawn_worker(model_dir=None, backend="sim", worker_id="openapi",
-                                         extra_args=["--cost", "zero"], timeout_s=60)
-    try:
-        cfg = GatewayConfig(model_dir=model_dir, workers=(worker.listen,), model_name="demo")
-        with TestClient(create_app(cfg), raise_server_exceptions=False) as test_client:
-            yield test_client
-    finally:
-        worker.stop()
+def client(sim_worker: WorkerProcess, tokenizer_dir: Path) -> Iterator[TestClient[Litestar]]:
+    cfg = GatewayConfig(model_dir=tokenizer_dir, workers=(sim_worker.listen,), model_name="demo")
+    with TestClient(create_app(cfg), raise_server_exceptions=False) as test_client:
+        yield test_client
 
 
 def _validator(doc: dict[str, Any], schema: dict[str, Any]) -> jsonschema.Draft202012Validator:

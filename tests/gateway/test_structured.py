@@ -13,7 +13,6 @@ from litestar import Litestar
 from litestar.testing import TestClient
 
 from gateway.app import GatewayConfig, create_app
-from gateway.cli import init_demo_model
 from gateway.schemas import decode_chat_request, to_sampling_spec
 from gateway.serve import spawn_worker
 from gateway.structured import tool_call_grammar
@@ -38,8 +37,8 @@ PARAMS = {"get_weather": WEATHER, "ping": {"type": "object", "properties": {},
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_demo_model(tmp_path_factory.mktemp("structured") / "demo")
+def model_dir(demo_model_dir: Path) -> Path:
+    return demo_model_dir
 
 
 @pytest.fixture(scope="module", params=["native", "sim"])

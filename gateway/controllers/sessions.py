@@ -1,0 +1,348 @@
+"""The Session API: multi-turn agent sessions kept by the gateway.
+
+    POST   /v1/sessions              create (model, system, tools, metadata, prior messages)
+    GET    /v1/sessions/{id}         messages, per-turn usage and cache statistics
+    DELETE /v1/sessions/{id}
+    POST   /v1/sessions/{id}/turns   append user messages / tool results; the assistant answer
+                                     as JSON (``TurnEnd``), or SSE frames with ``stream``
+    WS     /v1/sessions/{id}/ws      turns over one socket, with cancel
+
+Sessions belong to the tenant of the bearer key (``gateway.tenancy``): another tenant's id is a
+404. The WebSocket protocol (JSON text frames, ``gateway.schemas.sessions``):
+
+    client -> server   {"type": "turn", "messages": [...], "max_tokens": 64, ...}
+                       {"type": "cancel"}
+    server -> client   {"type": "turn_start", "session_id", "turn", "request_id"}
+                       {"type": "delta", "content": "..."}                  (zero or more)
+                       {"type": "tool_call", "tool_call": {id, type, function}}  (at the end)
+                       {"type": "turn_end", "session_id", "turn", "request_id", "message",
+                        "finish_reason", "usage"}
+                       {"type": "error", "error": {"message", "type", "param", "code"}}
+
+One turn at a time: a turn frame while one runs is an error frame (``turn_in_progress``). A bad
+frame is an error frame and the socket stays open; an unknown session closes it (code 4404) after
+an error frame. ``cancel`` ends the running turn with finish_reason "cancelled"; the partial answer
+is kept in the history (``gateway.turns``). A streamed REST turn sends the same frames as SSE
+``data:`` lines, from ``turn_start`` to ``turn_end`` (or ``error``).
+"""
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from litestar import Controller, Request, Response, WebSocket, delete, get, post, websocket
+from litestar.di import NamedDependency
+from litestar.exceptions import WebSocketDisconnect
+from litestar.params import FromPath
+from litestar.response import ServerSentEvent
+from litestar.response.sse import ServerSentEventMessage
+
+from gateway.dispatch import Dispatcher, DispatchError
+from gateway.errors import dispatch_error
+from gateway.lifespan import ModelState, SessionsState
+from gateway.schemas import ErrorBody, ErrorDetail, RequestError, Usage, error_body
+from gateway.schemas.sessions import (
+    CancelFrame,
+    DeletedSession,
+    DeltaFrame,
+    ErrorFrame,
+    ServerFrame,
+    SessionCacheStats,
+    SessionObject,
+    ToolCallFrame,
+    TurnEnd,
+    TurnFrame,
+    TurnInfo,
+    TurnStart,
+    decode_client_frame,
+    decode_session_create,
+    decode_turn_request,
+)
+from gateway.tenancy import tenant_of
+from gateway.turns import Turn, begin_turn, message_dict
+from sessions import (
+    InvalidMessages,
+    Session,
+    SessionError,
+    SessionNotFound,
+    StoreUnavailable,
+    TurnInProgress,
+)
+
+logger = logging.getLogger(__name__)
+
+_JSON = msgspec.json.Encoder()
+WS_CLOSE_NOT_FOUND = 4404
+
+# status, error type per session error; anything else (VersionConflict) is a 409
+_SESSION_ERRORS: dict[type[SessionError], tuple[int, str]] = {
+    SessionNotFound: (404, "invalid_request_error"),
+    InvalidMessages: (400, "invalid_request_error"),
+    TurnInProgress: (409, "invalid_request_error"),
+    StoreUnavailable: (503, "service_unavailable"),
+}
+
+
+def session_error(_: Request[Any, Any, Any], exc: SessionError) -> Response[ErrorBody]:
+    status, body = _session_error_body(exc)
+    return Response(body, status_code=status, media_type="application/json")
+
+
+class SessionsController(Controller):
+    path = "/v1/sessions"
+    exception_handlers = {SessionError: session_error}
+
+    @post(status_code=200)
+    async def create(
+        self,
+        request: Request[Any, Any, Any],
+        model: NamedDependency[ModelState],
+        sessions: NamedDependency[SessionsState],
+    ) -> SessionObject:
+        req = decode_session_create(await request.body())
+        session = await sessions.manager.create(
+            tenant_of(request), model.name, system=req.system,
+            tools=msgspec.to_builtins(req.tools) if req.tools else None, metadata=req.metadata,
+            messages=[message_dict(m) for m in req.messages],
+        )
+        return session_object(session)
+
+    @get("/{session_id:str}")
+    async def read(
+        self, request: Request[Any, Any, Any], session_id: FromPath[str],
+        sessions: NamedDependency[SessionsState],
+    ) -> SessionObject:
+        return session_object(await sessions.manager.get(tenant_of(request), session_id))
+
+    @delete("/{session_id:str}", status_code=200)
+    async def remove(
+        self, request: Request[Any, Any, Any], session_id: FromPath[str],
+        sessions: NamedDependency[SessionsState],
+    ) -> DeletedSession:
+        await sessions.manager.delete(tenant_of(request), session_id)
+        return DeletedSession(id=session_id)
+
+    @post("/{session_id:str}/turns", status_code=200)
+    async def turn(
+        self,
+        request: Request[Any, Any, Any],
+        session_id: FromPath[str],
+        model: NamedDependency[ModelState],
+        dispatcher: NamedDependency[Dispatcher],
+        sessions: NamedDependency[SessionsState],
+    ) -> Response[Any]:
+        req = decode_turn_request(await request.body())
+        turn = await begin_turn(
+            sessions, model, dispatcher, tenant_of(request), session_id, req
+        )
+        await _start(turn)
+        if req.stream:
+            return ServerSentEvent(_turn_sse(turn))
+        return Response(await _run_to_end(turn))
+
+
+@websocket("/v1/sessions/{session_id:str}/ws")
+async def session_ws(
+    socket: WebSocket[Any, Any, Any],
+    session_id: FromPath[str],
+    model: NamedDependency[ModelState],
+    dispatcher: NamedDependency[Dispatcher],
+    sessions: NamedDependency[SessionsState],
+) -> None:
+    await socket.accept()
+    await _SessionSocket(socket, session_id, model, dispatcher, sessions).serve()
+
+
+def session_object(session: Session) -> SessionObject:
+    """The ``GET /v1/sessions/{id}`` body."""
+    turns = [_turn_info(t) for t in session.turns]
+    prompt = sum(t.usage.prompt_tokens for t in session.turns)
+    cached = sum(t.usage.cached_tokens for t in session.turns)
+    completion = sum(t.usage.completion_tokens for t in session.turns)
+    cache = SessionCacheStats(
+        prompt_tokens=prompt, cached_tokens=cached, hit_rate=cached / prompt if prompt else 0.0,
+        reused_prompt_tokens=sum(t.reused_prompt_tokens for t in session.turns),
+        stored_prompt_tokens=len(session.prompt_ids),
+    )
+    return SessionObject(
+        id=session.id, model=session.model, system=session.system, tools=session.tools,
+        metadata=session.metadata, messages=session.messages, turns=turns,
+        usage=Usage.of(prompt, completion, cached), cache=cache,
+        running=session.running is not None, created_at=session.created_at,
+        updated_at=session.updated_at,
+    )
+
+
+class _SessionSocket:
+    """One WebSocket: a receive loop, and at most one turn task at a time."""
+
+    def __init__(
+        self,
+        socket: WebSocket[Any, Any, Any],
+        session_id: str,
+        model: ModelState,
+        dispatcher: Dispatcher,
+        sessions: SessionsState,
+    ) -> None:
+        self.socket, self.session_id = socket, session_id
+        self.model, self.dispatcher, self.sessions = model, dispatcher, sessions
+        self.tenant = tenant_of(socket)
+        self._task: asyncio.Task[None] | None = None
+        self._is_cancellable = False  # NOTE: false once the turn is recorded: its end is sent
+        self._cancel_requested = False
+
+    async def serve(self) -> None:
+        try:
+            await self.sessions.manager.get(self.tenant, self.session_id)
+        except SessionError as exc:
+            await self._send(ErrorFrame(error=_error_detail(exc)))
+            await self.socket.close(code=WS_CLOSE_NOT_FOUND, reason="session not found")
+            return
+        try:
+            while True:
+                await self._on_frame(await self.socket.receive_data(mode="text"))
+        except WebSocketDisconnect:
+            pass
+        finally:
+            if self._task is not None and not self._task.done():
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _on_frame(self, data: str | bytes) -> None:
+        try:
+            frame = decode_client_frame(data)
+        except RequestError as exc:
+            await self._send(ErrorFrame(error=_error_detail(exc)))
+            return
+        running = self._task is not None and not self._task.done()
+        if isinstance(frame, CancelFrame):
+            if running and self._is_cancellable:
+                self._cancel_requested = True
+                self._task.cancel()  # type: ignore[union-attr]
+            elif not running:
+                exc = RequestError("no turn is running", param="type", code="no_turn_running")
+                await self._send(ErrorFrame(error=_error_detail(exc)))
+            return
+        if running:
+            await self._send(ErrorFrame(error=_error_detail(TurnInProgress(self.session_id))))
+            return
+        self._task = asyncio.create_task(self._turn(frame))
+
+    async def _turn(self, frame: TurnFrame) -> None:
+        self._cancel_requested, self._is_cancellable = False, False
+        try:
+            turn = await begin_turn(
+                self.sessions, self.model, self.dispatcher, self.tenant, self.session_id, frame
+            )
+        except Exception as exc:
+            await self._send(ErrorFrame(error=_error_detail(exc)))
+            return
+        self._is_cancellable = True
+        error: Exception | None = None
+        try:
+            await self._send(TurnStart(
+                session_id=self.session_id, turn=turn.index, request_id=turn.request_id
+            ))
+            await turn.start()
+            async with contextlib.aclosing(turn.deltas()) as deltas:
+                async for delta in deltas:
+                    if delta.content:
+                        await self._send(DeltaFrame(content=delta.content))
+        except asyncio.CancelledError:
+            if not self._cancel_requested:
+                raise  # NOTE: the socket is closing; finally still records the partial turn
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        except Exception as exc:
+            error = exc
+        finally:
+            self._is_cancellable = False
+            end = await turn.close()
+        await self._send_end(end, error)
+
+    async def _send_end(self, end: TurnEnd | None, error: Exception | None) -> None:
+        if end is None or error is not None:
+            await self._send(ErrorFrame(error=_error_detail(error or RuntimeError("no answer"))))
+            return
+        for call in end.message.tool_calls or []:
+            await self._send(ToolCallFrame(tool_call=call))
+        await self._send(end)
+
+    async def _send(self, frame: ServerFrame) -> None:
+        await self.socket.send_data(_JSON.encode(frame).decode(), mode="text")
+
+
+async def _start(turn: Turn) -> None:
+    try:
+        await turn.start()
+    except BaseException:
+        await turn.close()
+        raise
+
+
+async def _run_to_end(turn: Turn) -> TurnEnd:
+    try:
+        async with contextlib.aclosing(turn.deltas()) as deltas:
+            async for _ in deltas:
+                pass
+    finally:
+        end = await turn.close()
+    assert end is not None, "a turn that did not fail is recorded"
+    return end
+
+
+async def _turn_sse(turn: Turn) -> AsyncIterator[ServerSentEventMessage]:
+    """The SSE body; leaving it early (the client went away) records a cancelled turn."""
+    error: DispatchError | None = None
+    try:
+        yield _event(TurnStart(session_id=turn.session.id, turn=turn.index,
+                               request_id=turn.request_id))
+        async with contextlib.aclosing(turn.deltas()) as deltas:
+            async for delta in deltas:
+                if delta.content:
+                    yield _event(DeltaFrame(content=delta.content))
+    except DispatchError as exc:
+        error = exc
+    finally:
+        end = await turn.close()
+    if error is not None or end is None:
+        yield _event(ErrorFrame(error=_error_detail(error or RuntimeError("no answer"))))
+        return
+    for call in end.message.tool_calls or []:
+        yield _event(ToolCallFrame(tool_call=call))
+    yield _event(end)
+
+
+def _event(frame: ServerFrame) -> ServerSentEventMessage:
+    return ServerSentEventMessage(data=_JSON.encode(frame).decode(), sep="\n")
+
+
+def _turn_info(record: Any) -> TurnInfo:
+    usage = record.usage
+    end = record.first_message + record.num_messages + 1
+    return TurnInfo(
+        index=record.index, request_id=record.request_id, finish_reason=record.finish_reason,
+        usage=Usage.of(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens),
+        messages=(record.first_message, end), reused_prompt_tokens=record.reused_prompt_tokens,
+        started_at=record.started_at, first_token_s=record.first_token_s,
+        duration_s=record.duration_s,
+    )
+
+
+def _session_error_body(exc: SessionError) -> tuple[int, ErrorBody]:
+    status, type_ = _SESSION_ERRORS.get(type(exc), (409, "invalid_request_error"))
+    return status, error_body(exc.message, type=type_, param=exc.param, code=exc.code)
+
+
+def _error_detail(exc: BaseException) -> ErrorDetail:
+    """The OpenAI error object of any error, as the HTTP handlers would answer it."""
+    if isinstance(exc, RequestError):
+        return exc.to_body().error
+    if isinstance(exc, SessionError):
+        return _session_error_body(exc)[1].error
+    if isinstance(exc, DispatchError):
+        return dispatch_error(None, exc).content.error  # type: ignore[arg-type,union-attr]
+    logger.error("session turn failed", exc_info=exc)
+    return error_body("internal server error", type="server_error").error

@@ -1,0 +1,229 @@
+"""The gateway's Prometheus metrics: plain counters and histograms updated on the hot path, and one
+``GatewayMetrics`` per app that turns them (plus the workers' and the prompt cache's state, read
+at scrape time) into the Prometheus text format on its own ``CollectorRegistry``.
+
+The hot path never touches ``prometheus_client``: its ``Histogram.observe`` takes a lock per call
+(~0.7 us), while ``Histogram.observe`` here is a bisect and two adds (~0.15 us), which matters at
+one observation per token delta. Everything runs on the gateway's event loop, so no locks.
+
+    | metric (agentgate_...)                     | type      | labels           | source        |
+    |--------------------------------------------|-----------|------------------|---------------|
+    | requests_total                             | counter   | endpoint, status | middleware    |
+    | request_duration_seconds                   | histogram | endpoint         | middleware    |
+    | time_to_first_token_seconds                | histogram |                  | Dispatcher    |
+    | inter_token_latency_seconds                | histogram |                  | Dispatcher    |
+    | {prompt,cached_prompt,generated}_tokens_total | counter |               | Finished      |
+    | request_cached_token_ratio                 | histogram |                  | Finished      |
+    | worker_up, worker_in_flight_requests       | gauge     | worker           | WorkerClient  |
+    | worker_running_requests, worker_waiting_requests | gauge | worker       | LoadReport    |
+    | prompt_cache_{hits,misses,fallbacks,evictions,reused_tokens}_total | counter | | PromptCache |
+    | prompt_cache_entries, prompt_cache_tokens  | gauge     |                  | PromptCache   |
+
+TTFT is measured from the dispatch of the request (after templating and tokenizing, which the
+request duration includes) to its first ``TokenDelta``, retries included; inter-token latency is
+the gap between consecutive ``TokenDelta`` messages of one request.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+if TYPE_CHECKING:
+    from engine.protocol import Finished
+    from gateway.dispatch import Dispatcher
+    from gateway.prompt_cache import PromptCache
+
+PREFIX = "agentgate_"
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                     5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                 0.5, 1.0, 2.5)
+RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+
+
+class Histogram:
+    """Cumulative-on-export bucket counts: ``counts[i]`` holds values in (bounds[i-1], bounds[i]],
+    ``counts[-1]`` those above the last bound (the ``+Inf`` bucket)."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        assert list(bounds) == sorted(set(bounds)), f"bounds must increase: {bounds}"
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Prometheus ``le`` buckets (cumulative), ``+Inf`` last."""
+        out, total = [], 0
+        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts):
+            total += n
+            out.append((bound, total))
+        return out
+
+
+class StreamStats:
+    """What the ``Dispatcher`` measures per request (one ``GatewayMetrics`` reads it)."""
+
+    __slots__ = ("ttft", "itl", "cached_ratio", "prompt_tokens", "cached_tokens",
+                 "generated_tokens", "num_finished")
+
+    def __init__(self) -> None:
+        self.ttft = Histogram(LATENCY_BUCKETS_S)
+        self.itl = Histogram(ITL_BUCKETS_S)
+        self.cached_ratio = Histogram(RATIO_BUCKETS)
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.generated_tokens = 0
+        self.num_finished = 0
+
+    def finished(self, item: Finished) -> None:
+        self.num_finished += 1
+        self.prompt_tokens += item.prompt_tokens
+        self.cached_tokens += item.cached_tokens
+        self.generated_tokens += item.completion_tokens
+        if item.prompt_tokens:
+            self.cached_ratio.observe(item.cached_tokens / item.prompt_tokens)
+
+
+class HttpStats:
+    """Responses by (endpoint, status) and their duration by endpoint (the middleware's)."""
+
+    __slots__ = ("requests", "durations")
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, int], int] = {}
+        self.durations: dict[str, Histogram] = {}
+
+    def count(self, endpoint: str, status: int) -> None:
+        key = (endpoint, status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+    def observe(self, endpoint: str, status: int, duration_s: float) -> None:
+        self.count(endpoint, status)
+        if (hist := self.durations.get(endpoint)) is None:
+            hist = self.durations[endpoint] = Histogram(LATENCY_BUCKETS_S)
+        hist.observe(duration_s)
+
+
+class GatewayMetrics:
+    """One app's metrics on its own registry (several apps in one process never clash).
+
+    Args:
+        http: filled by the HTTP middleware.
+        dispatcher: its ``stats`` and its clients' state are read at each scrape.
+        prompt_cache: its ``stats`` and size are read at each scrape.
+    """
+
+    def __init__(self, http: HttpStats, dispatcher: Dispatcher, prompt_cache: PromptCache) -> None:
+        self.http = http
+        self.dispatcher = dispatcher
+        self.prompt_cache = prompt_cache
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of everything above."""
+        return generate_latest(self.registry)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._http()
+        yield from self._streams()
+        yield from self._workers()
+        yield from self._prompt_cache()
+
+    def _http(self) -> Iterator[Metric]:
+        requests = _counter("requests", "HTTP responses by endpoint and status", ["endpoint",
+                                                                                  "status"])
+        for (endpoint, status), n in sorted(self.http.requests.items()):
+            requests.add_metric([endpoint, str(status)], n)
+        yield requests
+        duration = HistogramMetricFamily(
+            PREFIX + "request_duration_seconds", "HTTP request duration, to the last body byte",
+            labels=["endpoint"])
+        for endpoint, hist in sorted(self.http.durations.items()):
+            duration.add_metric([endpoint], hist.buckets(), hist.sum)
+        yield duration
+
+    def _streams(self) -> Iterator[Metric]:
+        stats = self.dispatcher.stats
+        yield _histogram("time_to_first_token_seconds",
+                         "From dispatch to the first token delta (retries included)", stats.ttft)
+        yield _histogram("inter_token_latency_seconds",
+                         "Gap between consecutive token deltas of a request", stats.itl)
+        yield _histogram("request_cached_token_ratio",
+                         "Per finished request: worker-cached prompt tokens / prompt tokens",
+                         stats.cached_ratio)
+        yield _counter("prompt_tokens", "Prompt tokens of finished requests",
+                       value=stats.prompt_tokens)
+        yield _counter("cached_prompt_tokens",
+                       "Prompt tokens of finished requests found in a worker's prefix cache",
+                       value=stats.cached_tokens)
+        yield _counter("generated_tokens", "Completion tokens of finished requests",
+                       value=stats.generated_tokens)
+
+    def _workers(self) -> Iterator[Metric]:
+        labels = ["worker"]
+        up = _gauge("worker_up", "1 while the worker answers, 0 once marked dead", labels)
+        in_flight = _gauge("worker_in_flight_requests", "Requests this gateway has on it", labels)
+        running = _gauge("worker_running_requests", "num_running of its last LoadReport", labels)
+        waiting = _gauge("worker_waiting_requests", "num_waiting of its last LoadReport", labels)
+        for client in self.dispatcher.clients:
+            key = [client.endpoint]
+            up.add_metric(key, float(client.is_alive))
+            in_flight.add_metric(key, client.num_in_flight)
+            if (load := client.last_load) is not None:
+                running.add_metric(key, load.num_running)
+                waiting.add_metric(key, load.num_waiting)
+        yield from (up, in_flight, running, waiting)
+
+    def _prompt_cache(self) -> Iterator[Metric]:
+        cache = self.prompt_cache
+        stats = cache.stats
+        help_ = {
+            "hits": "Prompts that extended a cached conversation",
+            "misses": "Prompts rendered and tokenized in full",
+            "fallbacks": "Misses because a cut or prefix check failed",
+            "evictions": "Conversations dropped from the cache",
+            "reused_tokens": "Prompt tokens taken from the cache instead of tokenized",
+            "tokenized_tokens": "Prompt tokens tokenized (not taken from the cache)",
+        }
+        for name, text in help_.items():
+            yield _counter(f"prompt_cache_{name}", text, value=getattr(stats, name))
+        yield _gauge("prompt_cache_entries", "Conversations held", value=cache.num_entries)
+        yield _gauge("prompt_cache_tokens", "Token ids held over all entries",
+                     value=cache.num_tokens)
+
+
+def _counter(
+    name: str, text: str, labels: list[str] | None = None, value: float | None = None
+) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, text, labels=labels, value=value)
+
+
+def _gauge(
+    name: str, text: str, labels: list[str] | None = None, value: float | None = None
+) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, text, labels=labels, value=value)
+
+
+def _histogram(name: str, text: str, hist: Histogram) -> HistogramMetricFamily:
+    return HistogramMetricFamily(PREFIX + name, text, buckets=hist.buckets(), sum_value=hist.sum)

@@ -1,0 +1,270 @@
+"""A session turn, the same for every transport (REST JSON, SSE, WebSocket):
+
+    turn = await begin_turn(...)            # 404 / 400 / 409 before anything is generated
+    try:
+        await turn.start()                  # the worker's first item (DispatchError -> status)
+        async with aclosing(turn.deltas()) as deltas:
+            async for delta in deltas: ...  # content and tool-call ChunkDeltas
+    finally:
+        end = await turn.close()            # record the turn, release the session
+
+What ``close`` records is what the client saw. A turn cut short (a cancel frame, the client went
+away) is kept, with finish_reason "cancelled", the content streamed so far and its token counts;
+tool calls are dropped from a cancelled answer (their arguments may be cut), so no tool result is
+ever owed for them. A turn whose worker failed records nothing: the session stays as it was and
+the client can send the same turn again.
+"""
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import jinja2
+import msgspec
+
+from engine.protocol import Generate, TokenDelta
+from gateway.dispatch import Dispatcher
+from gateway.generation import (
+    ChatEnd,
+    OutputOptions,
+    Started,
+    build_generate,
+    chat_deltas,
+    check_context,
+    new_request_id,
+    start,
+)
+from gateway.lifespan import ModelState, SessionsState
+from gateway.schemas import (
+    ChunkDelta,
+    FunctionCall,
+    RequestError,
+    ResponseMessage,
+    ToolCall,
+    Usage,
+)
+from gateway.schemas.sessions import TurnEnd, TurnParams, turn_sampling_spec
+from gateway.tenancy import cache_salt
+from sessions import Message, Session, TurnPrompt, TurnRecord, TurnUsage
+
+CANCELLED = "cancelled"
+
+
+async def begin_turn(
+    ctx: SessionsState,
+    model: ModelState,
+    dispatcher: Dispatcher,
+    tenant: str,
+    session_id: str,
+    req: TurnParams,
+) -> "Turn":
+    """Claim the session and build the worker request (nothing is sent yet).
+
+    Raises:
+        SessionNotFound, InvalidMessages, TurnInProgress: from the session rules.
+        RequestError: the prompt does not render or does not fit the context.
+    """
+    t0, started_at = time.perf_counter(), time.time()
+    new = [message_dict(m) for m in req.messages]
+    request_id = new_request_id("turn")
+    session = await ctx.manager.begin_turn(tenant, session_id, new, request_id)
+    try:
+        prompt = _render(ctx, session, new)
+        left = check_context(model, len(prompt.token_ids), "messages")
+        spec = turn_sampling_spec(
+            req, tools=session.tools, default_max_tokens=left,
+            stop_token_ids=model.tokenizer.eos_token_ids,
+        )
+        generate = build_generate(
+            model, prompt.token_ids, spec, request_id=request_id, session_id=session.id,
+            cache_salt=cache_salt(tenant),
+            # NOTE: whether a turn ends in tool calls is only known at its end, so every turn of
+            # a session with tools asks the worker to keep its tail checkpoint while a tool runs
+            retain_ttl_s=ctx.retain_ttl_s if session.tools else None,
+        )
+    except BaseException:
+        await ctx.manager.abort_turn(session)
+        raise
+    parse_tools = bool(session.tools) and req.tool_choice != "none"
+    opts = OutputOptions(req.stop_strings, parse_tools=parse_tools)
+    return Turn(ctx, model, dispatcher, session, new, prompt, generate, opts, t0, started_at)
+
+
+class Turn:
+    """One turn of one session; see the module docstring for the protocol."""
+
+    def __init__(
+        self,
+        ctx: SessionsState,
+        model: ModelState,
+        dispatcher: Dispatcher,
+        session: Session,
+        new: list[Message],
+        prompt: TurnPrompt,
+        generate: Generate,
+        opts: OutputOptions,
+        t0: float,
+        started_at: float,
+    ) -> None:
+        self._ctx, self._model, self._dispatcher = ctx, model, dispatcher
+        self.session, self.new, self.prompt, self.generate = session, new, prompt, generate
+        self._opts = opts
+        self._t0, self._started_at = t0, started_at
+        self._tally = _Tally(t0)
+        self._started: Started | None = None
+        self._content: list[str] = []
+        self._calls: dict[int, list[str]] = {}  # index -> [id, name, *argument pieces]
+        self._end: ChatEnd | None = None
+        self._failed = False
+        self._closing: asyncio.Task[TurnEnd | None] | None = None
+
+    @property
+    def index(self) -> int:
+        return len(self.session.turns)
+
+    @property
+    def request_id(self) -> str:
+        return self.generate.request_id
+
+    async def start(self) -> None:
+        """Send the request and wait for its first item; a ``DispatchError`` propagates."""
+        try:
+            started = await start(self._dispatcher, self.generate)
+        except Exception:
+            self._failed = True
+            raise
+        self._started = self._tally.wrap(started)
+
+    async def deltas(self) -> AsyncIterator[ChunkDelta]:
+        """The answer's deltas (after ``start``); leaving early aborts the worker request."""
+        assert self._started is not None, "Turn.deltas() before start()"
+        events = chat_deltas(self._started, self._model, self._opts)
+        try:
+            async for event in events:
+                if isinstance(event, ChatEnd):
+                    self._end = event
+                    continue
+                self._add(event.delta)
+                yield event.delta
+        except Exception:
+            self._failed = True
+            raise
+        finally:
+            await events.aclose()
+
+    async def close(self) -> TurnEnd | None:
+        """Record the turn and release the session (idempotent); None if the worker failed.
+
+        NOTE: the store write runs in its own task, shielded: a request being torn down (the
+        client went away, its cancel scope fires at every await) still records the turn."""
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._record())
+            self._ctx.background.add(self._closing)
+            self._closing.add_done_callback(self._ctx.background.discard)
+        return await asyncio.shield(self._closing)
+
+    async def _record(self) -> TurnEnd | None:
+        if self._failed:
+            await self._ctx.manager.abort_turn(self.session)
+            return None
+        message, reason, usage = self._answer()
+        record = TurnRecord(
+            index=self.index, request_id=self.request_id, first_message=0,
+            num_messages=len(self.new), finish_reason=reason,
+            usage=TurnUsage(
+                prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                cached_tokens=usage.prompt_tokens_details.cached_tokens,
+            ),
+            reused_prompt_tokens=self.prompt.reused_tokens, started_at=self._started_at,
+            first_token_s=self._tally.first_token_s, duration_s=time.perf_counter() - self._t0,
+        )
+        await self._ctx.manager.finish_turn(
+            self.session, self.new, _assistant_dict(message), record, self.prompt.prefix_ids,
+            self.prompt.num_messages,
+        )
+        return TurnEnd(
+            session_id=self.session.id, turn=self.index, request_id=self.request_id,
+            message=message, finish_reason=reason, usage=usage,
+        )
+
+    def _answer(self) -> tuple[ResponseMessage, str, Usage]:
+        content = "".join(self._content)
+        if self._end is None:
+            tally = self._tally
+            usage = Usage.of(
+                len(self.generate.input_ids), tally.completion_tokens, tally.cached_tokens
+            )
+            return ResponseMessage(content=content), CANCELLED, usage
+        calls = [
+            ToolCall(id=p[0], function=FunctionCall(name=p[1], arguments="".join(p[2:])))
+            for _, p in sorted(self._calls.items())
+        ]
+        message = ResponseMessage(content=content or None, tool_calls=calls or None)
+        return message, self._end.finish_reason, self._end.usage
+
+    def _add(self, delta: ChunkDelta) -> None:
+        if delta.content:
+            self._content.append(delta.content)
+        for call in delta.tool_calls or []:
+            parts = self._calls.setdefault(call.index, ["", ""])
+            if call.id:
+                parts[0] = call.id
+            if call.function is not None and call.function.name:
+                parts[1] = call.function.name
+            if call.function is not None and call.function.arguments:
+                parts.append(call.function.arguments)
+
+
+def message_dict(message: Any) -> Message:
+    """A request message Struct as the JSON-like dict a session stores (no null fields)."""
+    return {k: v for k, v in msgspec.to_builtins(message).items() if v is not None}
+
+
+class _Tally:
+    """Counts what the worker streamed, for a turn that ends before the worker's ``Finished``."""
+
+    def __init__(self, t0: float) -> None:
+        self._t0 = t0
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.first_token_s: float | None = None
+
+    def wrap(self, started: Started) -> Started:
+        self._see(started.first)
+        if not isinstance(started.first, TokenDelta):
+            return started  # NOTE: already Finished: nothing more to count
+        return Started(started.request_id, started.first, self._counted(started.stream))
+
+    async def _counted(self, stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        try:
+            async for item in stream:
+                self._see(item)
+                yield item
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    def _see(self, item: Any) -> None:
+        if not isinstance(item, TokenDelta):
+            return
+        if self.first_token_s is None:
+            self.first_token_s = time.perf_counter() - self._t0
+            self.cached_tokens = item.cached_tokens
+        self.completion_tokens += len(item.token_ids)
+
+
+def _render(ctx: SessionsState, session: Session, new: Sequence[Message]) -> TurnPrompt:
+    messages = [*session.rendered_messages(), *new]
+    try:
+        return ctx.prompter.render(
+            messages, session.tools, session.prompt_ids, session.prompt_num_messages
+        )
+    except (jinja2.TemplateError, ValueError, TypeError) as exc:
+        raise RequestError(f"messages could not be rendered: {exc}", param="messages") from None
+
+
+def _assistant_dict(message: ResponseMessage) -> Message:
+    out: Message = {"role": "assistant", "content": message.content or ""}
+    if message.tool_calls:
+        out["tool_calls"] = msgspec.to_builtins(message.tool_calls)
+    return out

@@ -1,0 +1,51 @@
+"""Fixtures shared by the gateway tests: the demo model, a zero-cost sim worker, and a live
+``agentgate serve``. Session-scoped, so the suite starts each once; a test that kills or
+reconfigures a worker starts its own."""
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import init_demo_model
+from gateway.serve import WorkerProcess, spawn_worker
+from gateway.tokenizer import write_demo_tokenizer
+from tests.gateway.live import LiveGateway, live_gateway
+
+CONTEXT = 8192
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo checkpoint + tokenizer (what ``./scripts/run`` serves)."""
+    return init_demo_model(tmp_path_factory.mktemp("demo-model") / "demo")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo tokenizer and a config.json with only the context length: enough for the
+    gateway (which never loads weights) in front of a sim worker."""
+    out = tmp_path_factory.mktemp("demo-tokenizer")
+    write_demo_tokenizer(out)
+    (out / "config.json").write_text(json.dumps({"max_position_embeddings": CONTEXT}))
+    return out
+
+
+@pytest.fixture(scope="session")
+def sim_worker() -> Iterator[WorkerProcess]:
+    """A sim worker whose model costs nothing (``--cost zero``), on the demo geometry."""
+    proc = spawn_worker(model_dir=None, backend="sim", worker_id="gateway-tests",
+                        extra_args=["--cost", "zero"], timeout_s=60)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def native_gateway(demo_model_dir: Path) -> Iterator[LiveGateway]:
+    """``agentgate serve`` over one native worker on the demo model, shared by the client,
+    agent-framework and live-session tests."""
+    with live_gateway(demo_model_dir, backend="native") as live:
+        yield live

@@ -1,0 +1,149 @@
+"""A worker killed (SIGKILL) in the middle of a request, through the real app over two real sim
+workers: a streamed answer ends with an SSE ``error`` event and ``[DONE]``, a JSON answer is a 502
+OpenAI error JSON, both within a bounded time, and the next request goes to the live worker.
+
+The victim is paced (``--cost cpu``, ~6 ms a step) so a long request is surely still running when
+it is killed; it is listed first, so an idle gateway picks it."""
+
+import json
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import httpx
+import pytest
+import uvicorn
+from litestar import Litestar
+
+from gateway.app import GatewayConfig, create_app
+from gateway.serve import WorkerProcess, spawn_worker
+from gateway.tokenizer import write_demo_tokenizer
+
+URL = "/v1/chat/completions"
+LONG_TOKENS = 4000  # NOTE: ~25 s on the paced worker, far longer than any wait below
+# NOTE: set after connect(), while the first heartbeat sleeps its default 1 s: a dead_after_s
+# under that would mark the workers dead at that first check.
+DEAD_AFTER_S = 1.5
+NOTICE_S = 5.0  # NOTE: death is noticed within dead_after_s + heartbeat_s
+
+
+class Gateway(NamedTuple):
+    app: Litestar
+    http: httpx.Client
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("demo-model")
+    write_demo_tokenizer(out)
+    (out / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def spare() -> Iterator[WorkerProcess]:
+    worker = _start_worker("spare", "zero")
+    try:
+        yield worker
+    finally:
+        worker.stop()
+
+
+@pytest.fixture
+def victim() -> Iterator[WorkerProcess]:
+    worker = _start_worker("victim", "cpu")
+    try:
+        yield worker
+    finally:
+        worker.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def client(victim: WorkerProcess, spare: WorkerProcess, model_dir: Path) -> Iterator[Gateway]:
+    """A real HTTP server (TestClient buffers a streamed body whole) in a thread."""
+    app = create_app(GatewayConfig(model_dir=model_dir, workers=(victim.listen, spare.listen)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30.0
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        for worker_client in app.state.dispatcher.clients:
+            worker_client.heartbeat_s, worker_client.dead_after_s = 0.1, DEAD_AFTER_S
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30.0) as http:
+            yield Gateway(app, http)
+    finally:
+        server.should_exit = True
+        thread.join(10.0)
+
+
+def test_stream_ends_with_error_event_then_done(
+    client: Gateway, victim: WorkerProcess
+) -> None:
+    events: list[str] = []
+    with client.http.stream("POST", URL, json=_chat(stream=True)) as resp:
+        assert resp.status_code == 200, resp.read()
+        lines = resp.iter_lines()
+        while not any('"content"' in e and '"role"' not in e for e in events):
+            events.append(_next_event(lines))  # NOTE: until a generated token arrived
+        victim.stop(signal.SIGKILL)
+        killed_at = time.monotonic()
+        events += [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    waited_s = time.monotonic() - killed_at
+    assert waited_s < NOTICE_S, f"the stream ended {waited_s:.1f} s after the kill"
+    assert events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "not answering" in error["message"], error
+    _assert_next_request_succeeds(client)
+
+
+def test_json_answer_is_502_error(client: Gateway, victim: WorkerProcess) -> None:
+    replies: list[Any] = []
+    thread = threading.Thread(target=lambda: replies.append(client.http.post(URL, json=_chat())))
+    thread.start()
+    doomed = client.app.state.dispatcher.clients[0]
+    deadline = time.monotonic() + 10.0
+    while doomed.num_in_flight == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # NOTE: ~50 steps: the request has streamed, so it cannot be retried
+    victim.stop(signal.SIGKILL)
+    thread.join(NOTICE_S)
+    assert not thread.is_alive(), f"no answer {NOTICE_S} s after the worker was killed"
+    [resp] = replies
+    assert resp.status_code == 502, (resp.status_code, resp.text)
+    error = resp.json()["error"]
+    assert error["type"] == "server_error" and "not answering" in error["message"], error
+    _assert_next_request_succeeds(client)
+
+
+def _assert_next_request_succeeds(client: Gateway) -> None:
+    resp = client.http.post(URL, json=_chat(max_tokens=4))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 4, resp.text
+
+
+def _next_event(lines: Iterator[str]) -> str:
+    for line in lines:
+        if line.startswith("data: "):
+            return line.removeprefix("data: ")
+    pytest.fail("the stream ended before a generated token")
+
+
+def _chat(**overrides: Any) -> dict[str, Any]:
+    body = {"model": "demo", "messages": [{"role": "user", "content": "Count to a thousand."}],
+            "max_tokens": LONG_TOKENS}
+    return body | overrides
+
+
+def _start_worker(worker_id: str, cost: str) -> WorkerProcess:
+    return spawn_worker(model_dir=None, backend="sim", worker_id=worker_id,
+                        extra_args=["--cost", cost], timeout_s=60)
