@@ -109,6 +109,9 @@ class Generate(msgspec.Struct, tag="generate", frozen=True, kw_only=True):
         priority: larger runs first; equal priorities are first come, first served.
         retain_ttl_s: keep this request's tail SWA checkpoint at least this long after it
             finishes (a session paused in a tool call); None uses the cache's own policy.
+        stream_interval_s: send new tokens at most this often (0: after every step). A client
+            that only wants the whole answer sets it (e.g. 1 s): a short answer then comes as
+            one ``TokenDelta`` right before ``Finished``, a long one still shows progress.
     """
 
     request_id: str
@@ -118,6 +121,7 @@ class Generate(msgspec.Struct, tag="generate", frozen=True, kw_only=True):
     cache_salt: str | None = None
     priority: int = 0
     retain_ttl_s: float | None = None
+    stream_interval_s: float = 0.0
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True, kw_only=True):

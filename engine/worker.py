@@ -80,6 +80,7 @@ from engine.worker_events import KVEventBuffer, RequestStream, WorkerPublisher, 
 logger = logging.getLogger(__name__)
 
 COSTS = ("cpu", "h200", "zero")  # engine.sim.COST_PRESETS
+MAX_STREAM_INTERVAL_S = 10.0  # NOTE: well below a client's idle timeout (the gateway's: 30 s)
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -267,7 +268,10 @@ class Worker:
         except Overloaded as e:
             self._error(identity, rid, "overloaded", str(e))
             return
-        self._requests[seq_or_error.request_id] = RequestStream(identity, rid, seq_or_error)
+        self._requests[seq_or_error.request_id] = RequestStream(
+            identity, rid, seq_or_error, stream_interval_s=msg.stream_interval_s,
+            last_sent_s=time.monotonic(),
+        )
         self._by_client[(identity, rid)] = seq_or_error.request_id
 
     def _make_sequence(self, msg: Generate) -> Sequence | ErrorReply:
@@ -276,6 +280,10 @@ class Worker:
             params = msg.sampling.to_params()
         except ValueError as e:
             return ErrorReply(request_id=rid, code="invalid_request", message=str(e))
+        if not 0.0 <= msg.stream_interval_s <= MAX_STREAM_INTERVAL_S:  # NOTE: False for NaN
+            text = (f"stream_interval_s={msg.stream_interval_s}: must be in "
+                    f"[0, {MAX_STREAM_INTERVAL_S}]")
+            return ErrorReply(request_id=rid, code="invalid_request", message=text)
         try:
             return self.engine.make_sequence(
                 f"{next(self._ids)}:{rid}", msg.input_ids, params, priority=msg.priority,
@@ -322,13 +330,14 @@ class Worker:
             self._emit(seqs)
 
     def _emit(self, seqs: list[Sequence]) -> None:
+        now_s = time.monotonic()
         for seq in seqs:
             req = self._requests.get(seq.request_id)
             if req is None:
                 continue  # aborted while its step was held
             if seq.is_finished:
                 self._finish(req)
-            else:
+            elif req.is_due(now_s):
                 self._send_delta(req)
 
     def _send_delta(self, req: RequestStream) -> None:

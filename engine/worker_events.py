@@ -21,6 +21,7 @@ same (``BlockStored`` only when the pages chain).
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -62,6 +63,12 @@ class RequestStream:
     seq: Sequence
     num_sent: int = 0
     cached_tokens: int | None = None
+    stream_interval_s: float = 0.0
+    last_sent_s: float = 0.0  # time.monotonic() of the last delta (or of the request's start)
+
+    def is_due(self, now_s: float) -> bool:
+        """Whether new tokens go out now (always, unless a stream interval holds them back)."""
+        return now_s - self.last_sent_s >= self.stream_interval_s
 
     def next_delta(self) -> TokenDelta | None:
         """The output tokens not sent yet (None if there are none); marks them sent."""
@@ -74,6 +81,7 @@ class RequestStream:
         want = seq.params.logprobs
         top = seq.top_logprobs[start:] if want else None
         self.num_sent = len(seq.output_ids)
+        self.last_sent_s = time.monotonic()
         return TokenDelta(
             request_id=self.request_id, token_ids=new,
             logprobs=seq.logprobs[start:] if want is not None else None,

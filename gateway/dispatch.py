@@ -434,6 +434,8 @@ class Dispatcher:
         """
         tried: list[WorkerClient] = []
         stats = self.stats
+        # NOTE: token timings mean something only when the worker sends every step's tokens
+        timed = request.stream_interval_s == 0
         last_s = time.perf_counter()  # NOTE: the dispatch time, then the last delta's
         for attempt in itertools.count():
             client = self.pick(request.session_id, exclude=tried)
@@ -444,7 +446,8 @@ class Dispatcher:
                     async for item in stream:
                         now_s = time.perf_counter()
                         if type(item) is TokenDelta:
-                            (stats.itl if started else stats.ttft).observe(now_s - last_s)
+                            if timed:
+                                (stats.itl if started else stats.ttft).observe(now_s - last_s)
                             last_s = now_s
                         else:
                             stats.finished(item)

@@ -85,6 +85,8 @@ class PromptCache:
         self._num_tokens = 0
         self._verified: set[tuple[bool, bool]] = set()  # (has_tools, is_hit) checked once
         self._unstable: set[bool] = set()  # has_tools values that always render in full
+        self._suffixes: dict[tuple[bool, Any], str] = {}  # (has_tools, last role) -> gen prompt
+        self._unsafe_suffixes: set[tuple[bool, Any]] = set()
         self.stats = PromptCacheStats()
 
     def encode(
@@ -150,7 +152,7 @@ class PromptCache:
         new = [*anchor, *messages[num_cached:]]
         has_new = num_cached < len(messages)
         body_text = render(new, tools, add_generation_prompt=False) if has_new else anchor_text
-        gen_text = render(new, tools, add_generation_prompt=True)
+        gen_text = body_text + self._generation_suffix(new, tools)
         if not (body_text.startswith(anchor_text) and gen_text.startswith(body_text)):
             return None
         rendered_chars = len(gen_text) + len(body_text) * has_new + len(anchor_text)
@@ -159,6 +161,31 @@ class PromptCache:
         if not self._are_safe_cuts([prefix_ids, body_ids, gen_ids]):
             return None
         return body_ids, gen_ids, rendered_chars
+
+    def _generation_suffix(
+        self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None
+    ) -> str:
+        """What ``add_generation_prompt=True`` appends to ``messages``' rendering.
+
+        NOTE: it depends on the template, the tools' presence and the last message's role only
+        (so it is rendered once per such key, saving a render per request); checked by rendering
+        both ways the first time, and a key where the check fails always renders both ways.
+        """
+        last = messages[-1] if messages else None
+        role = last.get("role") if isinstance(last, Mapping) else None
+        key = (bool(tools), role)
+        suffix = self._suffixes.get(key)
+        if suffix is not None:
+            return suffix
+        render = self._tokenizer.apply_chat_template
+        body = render(messages, tools, add_generation_prompt=False)
+        full = render(messages, tools, add_generation_prompt=True)
+        suffix = full[len(body):]
+        if full.startswith(body) and key not in self._unsafe_suffixes:
+            self._suffixes[key] = suffix
+        else:
+            self._unsafe_suffixes.add(key)
+        return suffix
 
     def _are_safe_cuts(self, pieces: list[list[int]]) -> bool:
         nonempty = [p for p in pieces if p]

@@ -72,12 +72,8 @@ class CompletionsController(Controller):
     path = "/v1/completions"
 
     @post(status_code=200)
-    async def create(
-        self,
-        request: Request[Any, Any, Any],
-        model: NamedDependency[ModelState],
-        dispatcher: NamedDependency[Dispatcher],
-    ) -> Response[Any]:
+    async def create(self, request: Request[Any, Any, Any]) -> Response[Any]:
+        model, dispatcher = _resources(request)
         req = decode_completion_request(await request.body())
         prompt = model.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
         salt = cache_salt(tenant_of(request))
@@ -91,12 +87,8 @@ class ChatCompletionsController(Controller):
     path = "/v1/chat/completions"
 
     @post(status_code=200)
-    async def create(
-        self,
-        request: Request[Any, Any, Any],
-        model: NamedDependency[ModelState],
-        dispatcher: NamedDependency[Dispatcher],
-    ) -> Response[Any]:
+    async def create(self, request: Request[Any, Any, Any]) -> Response[Any]:
+        model, dispatcher = _resources(request)
         req = decode_chat_request(await request.body())
         salt = cache_salt(tenant_of(request))
         input_ids = _chat_prompt(req, model, salt)
@@ -114,6 +106,14 @@ class ChatCompletionsController(Controller):
             id=head.id, model=head.model, choices=[choice], usage=result.usage,
             created=head.created,
         ))
+
+
+def _resources(request: Request[Any, Any, Any]) -> tuple[ModelState, Dispatcher]:
+    """The app's model and dispatcher. NOTE: read from the app state rather than injected: on
+    this hot path litestar's dependency resolution (an anyio task group per request) cost ~10 %
+    of the gateway's CPU per request (``loadtest/bench_gateway.py``)."""
+    state = request.app.state
+    return state.model, state.dispatcher
 
 
 class _Head(msgspec.Struct, frozen=True):
@@ -139,7 +139,8 @@ async def _start(
     )
     prefix = "chatcmpl" if param == "messages" else "cmpl"
     generate = build_generate(
-        model, input_ids, spec, request_id=new_request_id(prefix), param=param, cache_salt=salt
+        model, input_ids, spec, request_id=new_request_id(prefix), param=param, cache_salt=salt,
+        stream=req.stream,
     )
     started = await start(dispatcher, generate)
     return _Head(generate.request_id, model.name, int(time.time())), started

@@ -48,6 +48,21 @@ class StreamDecoder:
         self._num_emitted = len(self._window)
         return text[len(emitted_text) :]
 
+    def feed_many(self, token_ids: Sequence[int]) -> str:
+        """Add several tokens at once: the same text as joining ``feed`` of each, with one
+        decode instead of two per token when the chunk ends on a whole character."""
+        if len(token_ids) <= 1:
+            return "".join(map(self.feed, token_ids))
+        emitted_text = self._decode(self._window[: self._num_emitted])
+        window = [*self._window, *token_ids]
+        text = self._decode(window)
+        if text.endswith(_REPLACEMENT) or len(text) < len(emitted_text):
+            return "".join(map(self.feed, token_ids))  # NOTE: rare: hold back per token
+        # The ids emitted by this call become the context of the next one (as in ``feed``).
+        self._window = window[self._num_emitted :]
+        self._num_emitted = len(self._window)
+        return text[len(emitted_text) :]
+
     def flush(self) -> str:
         """Return whatever is pending (unfinished bytes as U+FFFD) and start over."""
         emitted_text = self._decode(self._window[: self._num_emitted])

@@ -60,8 +60,10 @@ def test_metrics_count_requests_tokens_and_workers(
 ) -> None:
     before = _scrape(client)
     messages = [{"role": "user", "content": "Tell me about sliding windows. " * 4}]
-    for _ in range(2):  # NOTE: the second one hits the prompt cache and the worker's KV cache
-        assert client.post(URL, json=_chat(messages)).status_code == 200
+    # NOTE: the second one hits the prompt cache and the worker's KV cache; streamed, because
+    # only streamed requests have per-token timings (whole answers come in one message)
+    for _ in range(2):
+        assert client.post(URL, json=_chat(messages, stream=True)).status_code == 200
     assert client.post(URL, json=_chat(messages, max_tokens=-1)).status_code == 400
     assert client.get("/v1/nope").status_code == 404
     after = _scrape(client)

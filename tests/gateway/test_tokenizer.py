@@ -419,3 +419,22 @@ def _conversations(
     messages = draw(st.lists(_message(), max_size=7))
     tools = draw(st.none() | st.lists(st.sampled_from([_WEATHER_TOOL, _TIME_TOOL]), max_size=2))
     return messages, tools
+
+
+@_SETTINGS
+@given(
+    ids=st.lists(st.integers(0, 265), min_size=1, max_size=40),
+    cuts=st.lists(st.integers(0, 40), max_size=8),
+    skip=st.booleans(),
+)
+def test_stream_decoder_feed_many_matches_feed(
+    tok: Tokenizer, ids: list[int], cuts: list[int], skip: bool
+) -> None:
+    """Any split of any ids (invalid UTF-8 and specials included) into chunks gives, chunk by
+    chunk, what ``feed`` gives token by token."""
+    bounds = sorted({0, len(ids), *(c for c in cuts if c < len(ids))})
+    one = StreamDecoder(tok, skip_special_tokens=skip)
+    many = StreamDecoder(tok, skip_special_tokens=skip)
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        assert many.feed_many(ids[a:b]) == "".join(one.feed(t) for t in ids[a:b]), (ids, a, b)
+    assert many.flush() == one.flush()

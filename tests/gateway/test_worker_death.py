@@ -1,6 +1,7 @@
 """A worker killed (SIGKILL) in the middle of a request, through the real app over two real sim
-workers: a streamed answer ends with an SSE ``error`` event and ``[DONE]``, a JSON answer is a 502
-OpenAI error JSON, both within a bounded time, and the next request goes to the live worker.
+workers: a streamed answer ends with an SSE ``error`` event and ``[DONE]``, a JSON answer is
+retried elsewhere if nothing was sent yet and is a 502 OpenAI error JSON otherwise, all within a
+bounded time, and the next request goes to the live worker.
 
 The victim is paced (``--cost cpu``, ~6 ms a step) so a long request is surely still running when
 it is killed; it is listed first, so an idle gateway picks it."""
@@ -20,6 +21,7 @@ import uvicorn
 from litestar import Litestar
 
 from gateway.app import GatewayConfig, create_app
+from gateway.generation import WHOLE_ANSWER_INTERVAL_S
 from gateway.serve import WorkerProcess, spawn_worker
 from gateway.tokenizer import write_demo_tokenizer
 
@@ -106,7 +108,13 @@ def test_stream_ends_with_error_event_then_done(
     _assert_next_request_succeeds(client)
 
 
-def test_json_answer_is_502_error(client: Gateway, victim: WorkerProcess) -> None:
+@pytest.mark.parametrize("kill_after_s", [0.3, 1.6])
+def test_json_answer_is_retried_or_502(
+    client: Gateway, victim: WorkerProcess, kill_after_s: float
+) -> None:
+    """A non-streamed request lets the worker hold its tokens for up to 1 s
+    (``stream_interval_s``): killed before its first message, it has sent the client nothing
+    and is retried on the live worker (200, the whole answer); killed after, it is a 502."""
     replies: list[Any] = []
     thread = threading.Thread(target=lambda: replies.append(client.http.post(URL, json=_chat())))
     thread.start()
@@ -114,11 +122,15 @@ def test_json_answer_is_502_error(client: Gateway, victim: WorkerProcess) -> Non
     deadline = time.monotonic() + 10.0
     while doomed.num_in_flight == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
-    time.sleep(0.3)  # NOTE: ~50 steps: the request has streamed, so it cannot be retried
+    time.sleep(kill_after_s)
     victim.stop(signal.SIGKILL)
-    thread.join(NOTICE_S)
+    thread.join(NOTICE_S + 10)
     assert not thread.is_alive(), f"no answer {NOTICE_S} s after the worker was killed"
     [resp] = replies
+    if kill_after_s < WHOLE_ANSWER_INTERVAL_S:
+        assert resp.status_code == 200, (resp.status_code, resp.text)
+        assert resp.json()["usage"]["completion_tokens"] == LONG_TOKENS, resp.text
+        return
     assert resp.status_code == 502, (resp.status_code, resp.text)
     error = resp.json()["error"]
     assert error["type"] == "server_error" and "not answering" in error["message"], error
