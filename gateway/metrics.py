@@ -205,9 +205,11 @@ class GatewayMetrics:
             "evictions": "Conversations dropped from the cache",
             "reused_tokens": "Prompt tokens taken from the cache instead of tokenized",
             "tokenized_tokens": "Prompt tokens tokenized (not taken from the cache)",
+            "cpu_seconds": "CPU time spent rendering and tokenizing prompts",
         }
         for name, text in help_.items():
-            yield _counter(f"prompt_cache_{name}", text, value=getattr(stats, name))
+            value = stats.cpu_s if name == "cpu_seconds" else getattr(stats, name)
+            yield _counter(f"prompt_cache_{name}", text, value=value)
         yield _gauge("prompt_cache_entries", "Conversations held", value=cache.num_entries)
         yield _gauge("prompt_cache_tokens", "Token ids held over all entries",
                      value=cache.num_tokens)

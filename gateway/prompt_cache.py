@@ -29,6 +29,7 @@ Two properties of the template make this exact, and both are checked rather than
 Not thread-safe: the gateway calls it from its event loop.
 """
 
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ class PromptCacheStats:
     reused_tokens: int = 0
     tokenized_tokens: int = 0  # prompt token ids that were tokenized (not reused)
     evictions: int = 0
+    cpu_s: float = 0.0  # thread CPU time spent in encode() (rendering and tokenizing)
 
 
 class PromptCache:
@@ -101,6 +103,18 @@ class PromptCache:
         Raises what the template raises (jinja2.TemplateError, ValueError without a template),
         and TypeError / msgspec.EncodeError for a message that is not JSON-like.
         """
+        t0 = time.thread_time()
+        try:
+            return self._encode(messages, tools, cache_salt)
+        finally:
+            self.stats.cpu_s += time.thread_time() - t0
+
+    def _encode(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Mapping[str, Any]] | None,
+        cache_salt: str | None,
+    ) -> EncodedPrompt:
         has_tools = bool(tools)
         if not messages or has_tools in self._unstable:
             return self._full(messages, tools, count_fallback=bool(messages))

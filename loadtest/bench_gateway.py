@@ -11,7 +11,10 @@ MAX_TOKENS tokens, non-streamed. Measured per (size, concurrency) cell, for --du
 per mode: req/s; gateway CPU us per request (``/proc/<pid>/stat`` utime+stime delta / requests);
 p50/p99 latency and the added latency (gateway - direct); gateway RSS (``/proc/<pid>/status``)
 at start / max / end of the cell; the prompt cache's reuse (tokens reused / prompt tokens, from
-``/metrics``); the client's own CPU us per request (it shares the cores).
+``/metrics``); "prompt": the part of the gateway's CPU spent rendering and tokenizing prompts
+(``agentgate_prompt_cache_cpu_seconds_total``); "full": what rendering and tokenizing each whole
+prompt would cost instead (measured in this process: the tokens-once saving); the client's own
+CPU us per request (it shares the cores).
 
     python loadtest/bench_gateway.py [--sizes 2k,20k] [--concurrency 1,16,64] [--duration S]
                                      [--quick]
@@ -78,6 +81,7 @@ async def _bench(args: argparse.Namespace, tok: Tokenizer, worker: WorkerProcess
     print(f"\n{HEADER}\n{'-' * len(HEADER)}")
     for size_name in args.sizes:
         convo = _conversation(SIZES[size_name])
+        full_us = _full_render_us(tok, convo)
         template_ids = [tok.encode_chat(_messages(convo, t, "x" * MAX_TOKENS)) for t in
                         range(TURNS)]
         system_len = len(tok.encode_chat(_messages(convo, 0, "")[:1], add_generation_prompt=False))
@@ -92,7 +96,9 @@ async def _bench(args: argparse.Namespace, tok: Tokenizer, worker: WorkerProcess
             dr = await _run_mode(direct_session, c, args.duration)
             reused = cache1[0] - cache0[0]
             reuse = reused / max(reused + cache1[1] - cache0[1], 1)
-            rows.append((size_name, c, gw, dr, gw_cpu_us, rss0, _rss_mb(pid), reuse))
+            prompt_us = (cache1[2] - cache0[2]) / gw["n"] * 1e6
+            rows.append((size_name, c, gw, dr, gw_cpu_us, rss0, _rss_mb(pid), reuse, prompt_us,
+                         full_us))
             _print_row(rows[-1])
     direct.close()
     _print_summary(rows)
@@ -175,14 +181,26 @@ async def _post(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path
     return int(head[9:12]), await reader.readexactly(length)
 
 
-async def _scrape(port: int) -> tuple[float, float]:
-    """(reused, tokenized) prompt tokens of the gateway's prompt cache so far."""
+async def _scrape(port: int) -> tuple[float, float, float]:
+    """(reused, tokenized) prompt tokens and CPU seconds of the gateway's prompt cache so far."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     _, text = await _post(reader, writer, "/metrics", b"")
     writer.close()
     values = dict(re.findall(rb"^(agentgate_prompt_cache_\w+_total) (\S+)$", text, re.M))
     return (float(values[b"agentgate_prompt_cache_reused_tokens_total"]),
-            float(values[b"agentgate_prompt_cache_tokenized_tokens_total"]))
+            float(values[b"agentgate_prompt_cache_tokenized_tokens_total"]),
+            float(values[b"agentgate_prompt_cache_cpu_seconds_total"]))
+
+
+def _full_render_us(tok: Tokenizer, convo: tuple[str, list[str]]) -> float:
+    """CPU us per request to render and tokenize every turn's whole prompt (what a gateway that
+    re-tokenizes the history would spend), measured here, averaged over the turns."""
+    prompts = [_messages(convo, t, "x" * MAX_TOKENS) for t in range(TURNS)]
+    t0 = time.process_time()
+    for _ in range(5):
+        for messages in prompts:
+            tok.encode_chat(messages)
+    return (time.process_time() - t0) / (5 * TURNS) * 1e6
 
 
 async def _wait_ready(port: int, timeout_s: float = 60.0) -> None:
@@ -242,14 +260,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-HEADER = (f"{'size':>4} {'conc':>4} | {'req/s gw':>8} {'direct':>7} | {'gw CPU':>7} | "
+HEADER = (f"{'size':>4} {'conc':>4} | {'req/s gw':>8} {'direct':>7} | {'gw CPU':>7} "
+          f"{'prompt':>7} {'full':>7} | "
           f"{'p50 gw':>7} {'direct':>7} {'added':>6} | {'p99 gw':>7} {'direct':>7} "
           f"{'added':>6} | {'RSS MB start/max/end':>20} | {'reuse':>5} | {'client us/req':>13}")
 
 
 def _print_row(row: tuple) -> None:  # type: ignore[type-arg]
-    size, c, gw, dr, cpu_us, rss0, rss1, reuse = row
-    print(f"{size:>4} {c:>4} | {gw['rps']:8.0f} {dr['rps']:7.0f} | {cpu_us:5.0f}us | "
+    size, c, gw, dr, cpu_us, rss0, rss1, reuse, prompt_us, full_us = row
+    print(f"{size:>4} {c:>4} | {gw['rps']:8.0f} {dr['rps']:7.0f} | {cpu_us:5.0f}us "
+          f"{prompt_us:5.0f}us {full_us:5.0f}us | "
           f"{gw['p50']:5.2f}ms {dr['p50']:5.2f}ms {gw['p50'] - dr['p50']:6.2f} | "
           f"{gw['p99']:5.2f}ms {dr['p99']:5.2f}ms {gw['p99'] - dr['p99']:6.2f} | "
           f"{rss0:6.0f}/{gw['rss_max']:5.0f}/{rss1:5.0f}  | {reuse:5.0%} | "
