@@ -1,10 +1,12 @@
 """Next-token sampling for a batch: greedy argmax, or temperature, top-k, top-p and min-p filtering
 followed by an exponential race whose noise comes from each request's own generator when seeded.
 
-Order for non-greedy rows (SGLang's): logits / temperature -> top-k -> top-p -> min-p -> softmax ->
-argmax(probs / Exp(1) noise). min-p compares each token with the top token, a ratio that the
-earlier masks never change, so its place in the order only matters relative to top-p, which
-measures mass on the top-k-renormalized distribution.
+Order for non-greedy rows: top-k -> logits / temperature -> top-p -> min-p -> softmax ->
+argmax(probs / Exp(1) noise). (SGLang divides first; dividing by T > 0 keeps the order of the
+logits, except that float32 can underflow two distinct tiny logits into a tie, which would let a
+token below the k-th one through, so top-k looks at the raw logits.) min-p compares each token
+with the top token, a ratio that the earlier masks never change, so its place in the order only
+matters relative to top-p, which measures mass on the top-k-renormalized distribution.
 
 Logprobs are those of the raw logits (before temperature and filtering), like vLLM's default,
 with one exception: a row under a grammar (``allowed``) reports the logprobs of its masked logits
@@ -124,10 +126,10 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     row uses cannot change a seeded row's draw with the batch composition.
     """
     device, vocab_size = logits.device, logits.shape[-1]
-    logits = logits / _row_tensor([p.temperature for p in params], device)[:, None]
     if any(p.top_k is not None for p in params):
         k = [min(p.top_k or vocab_size, vocab_size) for p in params]
         logits = apply_top_k(logits, torch.tensor(k, device=device))
+    logits = logits / _row_tensor([p.temperature for p in params], device)[:, None]
     if any(p.top_p < 1 for p in params):
         logits = apply_top_p(logits, _row_tensor([p.top_p for p in params], device))
     if any(p.min_p > 0 for p in params):

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engine.sampler import (
@@ -155,10 +155,12 @@ def test_apply_min_p_drops_tokens_below_min_p_times_top_probability(
     temperature=st.floats(min_value=0.05, max_value=5.0),
     data=st.data(),
 )
+# NOTE: found by hypothesis: dividing by T underflowed -1.4e-45 to -0.0, a tie with the top two
+@example(logits=[0.0, 0.0, -1.401298464324817e-45], temperature=2.0, data=None).via("regression")
 def test_sampled_tokens_never_fall_outside_the_top_k(
     logits: list[float], temperature: float, data: st.DataObject
 ) -> None:
-    k = data.draw(st.integers(min_value=2, max_value=len(logits)), label="k")
+    k = 2 if data is None else data.draw(st.integers(min_value=2, max_value=len(logits)), label="k")
     logits = _row(logits)[0].tolist()
     num_draws = 32
     params = [_make_params(temperature=temperature, top_k=k, seed=i) for i in range(num_draws)]
