@@ -42,6 +42,10 @@ class GatewayConfig:
     max_sessions: the memory store's bound (least recently used evicted first).
     session_ttl_s: a session idle this long expires (memory and Redis alike).
     retain_ttl_s: how long a worker keeps a session's tail KV after a turn, while a tool runs.
+    heartbeat_s, dead_after_s: a worker silent for ``dead_after_s`` (heartbeats every
+        ``heartbeat_s``) is marked dead; its requests fail over or end with an error.
+    first_token_timeout_s, idle_timeout_s: a request aborts (504) when its first token, or its
+        next one, takes longer.
     """
 
     model_dir: Path
@@ -54,12 +58,18 @@ class GatewayConfig:
     max_sessions: int = 10_000
     session_ttl_s: float = 3600.0
     retain_ttl_s: float = 60.0
+    heartbeat_s: float = 1.0
+    dead_after_s: float = 3.0
+    first_token_timeout_s: float = 60.0
+    idle_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         assert self.workers, "GatewayConfig needs at least one worker endpoint"
         assert self.max_body_bytes > 0, f"{self.max_body_bytes=}"
         assert self.max_sessions > 0 and self.session_ttl_s > 0, f"{self}: session bounds > 0"
         assert self.retain_ttl_s >= 0, f"{self.retain_ttl_s=}"
+        assert 0 < self.heartbeat_s < self.dead_after_s, f"{self}: 0 < heartbeat_s < dead_after_s"
+        assert min(self.first_token_timeout_s, self.idle_timeout_s) > 0, f"{self}: timeouts > 0"
 
 
 def create_app(cfg: GatewayConfig) -> Litestar:

@@ -57,7 +57,14 @@ async def model_lifespan(app: Litestar) -> AsyncIterator[None]:
 async def dispatcher_lifespan(app: Litestar) -> AsyncIterator[None]:
     """Connect a ``WorkerClient`` per endpoint; one that does not answer stays dead (``/ready``
     tells), the gateway still starts."""
-    clients = [WorkerClient(endpoint) for endpoint in app.state.cfg.workers]
+    cfg = app.state.cfg
+    clients = [
+        WorkerClient(
+            endpoint, heartbeat_s=cfg.heartbeat_s, dead_after_s=cfg.dead_after_s,
+            first_token_timeout_s=cfg.first_token_timeout_s, idle_timeout_s=cfg.idle_timeout_s,
+        )
+        for endpoint in cfg.workers
+    ]
     await asyncio.gather(*(_connect(c) for c in clients))
     app.state.dispatcher = Dispatcher(clients)
     try:

@@ -89,16 +89,14 @@ def test_metrics_count_requests_tokens_and_workers(
 def test_killed_worker_reads_down(model_dir: Path) -> None:
     victim = _start_worker("metrics-victim")
     try:
-        cfg = GatewayConfig(model_dir=model_dir, workers=(victim.listen,))
+        cfg = GatewayConfig(model_dir=model_dir, workers=(victim.listen,), heartbeat_s=0.1,
+                            dead_after_s=1.0)
         app = create_app(cfg)
         with TestClient(app, raise_server_exceptions=False) as test_client:
-            [worker_client] = app.state.dispatcher.clients
-            # NOTE: over the 1 s the first heartbeat still sleeps, or that one marks it dead
-            worker_client.heartbeat_s, worker_client.dead_after_s = 0.1, 1.5
             up = ("agentgate_worker_up", _key({"worker": victim.listen}))
             assert _scrape(test_client)[up] == 1.0
             victim.stop(signal.SIGKILL)
-            deadline = time.monotonic() + 5.0  # NOTE: the first heartbeat may sleep 1 s more
+            deadline = time.monotonic() + 5.0
             while (value := _scrape(test_client)[up]) != 0.0 and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert value == 0.0, "worker_up still 1 five seconds after SIGKILL"

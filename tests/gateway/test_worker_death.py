@@ -27,9 +27,7 @@ from gateway.tokenizer import write_demo_tokenizer
 
 URL = "/v1/chat/completions"
 LONG_TOKENS = 4000  # NOTE: ~25 s on the paced worker, far longer than any wait below
-# NOTE: set after connect(), while the first heartbeat sleeps its default 1 s: a dead_after_s
-# under that would mark the workers dead at that first check.
-DEAD_AFTER_S = 1.5
+DEAD_AFTER_S = 1.0
 NOTICE_S = 5.0  # NOTE: death is noticed within dead_after_s + heartbeat_s
 
 
@@ -67,7 +65,8 @@ def victim() -> Iterator[WorkerProcess]:
 @pytest.fixture
 def client(victim: WorkerProcess, spare: WorkerProcess, model_dir: Path) -> Iterator[Gateway]:
     """A real HTTP server (TestClient buffers a streamed body whole) in a thread."""
-    app = create_app(GatewayConfig(model_dir=model_dir, workers=(victim.listen, spare.listen)))
+    app = create_app(GatewayConfig(model_dir=model_dir, workers=(victim.listen, spare.listen),
+                                   heartbeat_s=0.1, dead_after_s=DEAD_AFTER_S))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -79,8 +78,6 @@ def client(victim: WorkerProcess, spare: WorkerProcess, model_dir: Path) -> Iter
         while not server.started:
             assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
             time.sleep(0.02)
-        for worker_client in app.state.dispatcher.clients:
-            worker_client.heartbeat_s, worker_client.dead_after_s = 0.1, DEAD_AFTER_S
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30.0) as http:
             yield Gateway(app, http)
     finally:
