@@ -18,6 +18,8 @@ one observation per token delta. Everything runs on the gateway's event loop, so
     | worker_running_requests, worker_waiting_requests | gauge | worker       | LoadReport    |
     | prompt_cache_{hits,misses,fallbacks,evictions,reused_tokens}_total | counter | | PromptCache |
     | prompt_cache_entries, prompt_cache_tokens  | gauge     |                  | PromptCache   |
+    | sessions_{created,deleted}_total           | counter   |                  | SessionManager |
+    | session_turns_total                        | counter   | outcome          | SessionManager |
 
 TTFT is measured from the dispatch of the request (after templating and tokenizing, which the
 request duration includes) to its first ``TokenDelta``, retries included; inter-token latency is
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from engine.protocol import Finished
     from gateway.dispatch import Dispatcher
     from gateway.prompt_cache import PromptCache
+    from sessions.manager import SessionStats
 
 PREFIX = "agentgate_"
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -131,12 +134,20 @@ class GatewayMetrics:
         http: filled by the HTTP middleware.
         dispatcher: its ``stats`` and its clients' state are read at each scrape.
         prompt_cache: its ``stats`` and size are read at each scrape.
+        sessions: the session manager's counters (None: no sessions metrics).
     """
 
-    def __init__(self, http: HttpStats, dispatcher: Dispatcher, prompt_cache: PromptCache) -> None:
+    def __init__(
+        self,
+        http: HttpStats,
+        dispatcher: Dispatcher,
+        prompt_cache: PromptCache,
+        sessions: SessionStats | None = None,
+    ) -> None:
         self.http = http
         self.dispatcher = dispatcher
         self.prompt_cache = prompt_cache
+        self.sessions = sessions
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -149,6 +160,21 @@ class GatewayMetrics:
         yield from self._streams()
         yield from self._workers()
         yield from self._prompt_cache()
+        yield from self._sessions()
+
+    def _sessions(self) -> Iterator[Metric]:
+        stats = self.sessions
+        if stats is None:
+            return
+        yield _counter("sessions_created", "Sessions created", value=stats.created)
+        yield _counter("sessions_deleted", "Sessions deleted", value=stats.deleted)
+        turns = _counter("session_turns", "Session turns by outcome: a finish reason, "
+                         "in_progress (409), aborted (worker failed) or dropped", ["outcome"])
+        for reason, n in sorted(stats.turns_finished.items()):
+            turns.add_metric([reason], n)
+        for outcome in ("in_progress", "aborted", "dropped"):
+            turns.add_metric([outcome], getattr(stats, f"turns_{outcome}"))
+        yield turns
 
     def _http(self) -> Iterator[Metric]:
         requests = _counter("requests", "HTTP responses by endpoint and status", ["endpoint",

@@ -17,7 +17,9 @@ late ``finish_turn`` is dropped).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -31,6 +33,19 @@ DEFAULT_TURN_LEASE_S = 600.0
 _MAX_CAS_ATTEMPTS = 5
 
 
+@dataclass(slots=True)
+class SessionStats:
+    """Counters since start (this process's operations; ``/metrics`` exports them)."""
+
+    created: int = 0
+    deleted: int = 0
+    turns_started: int = 0
+    turns_in_progress: int = 0  # begin_turn refused: another turn holds the session (409)
+    turns_aborted: int = 0  # released without recording (the worker failed)
+    turns_dropped: int = 0  # finished, but the session was deleted or taken over meanwhile
+    turns_finished: Counter[str] = field(default_factory=Counter)  # by finish_reason
+
+
 class SessionManager:
     def __init__(
         self,
@@ -42,6 +57,7 @@ class SessionManager:
         assert turn_lease_s > 0, f"{turn_lease_s=}: must be > 0"
         self.store = store
         self.turn_lease_s = turn_lease_s
+        self.stats = SessionStats()
         self._clock = clock
 
     async def create(
@@ -64,7 +80,9 @@ class SessionManager:
             tenant, model, system=system, tools=tools, metadata=metadata,
             messages=list(messages), now=self._clock(),
         )
-        return await self.store.create(session)
+        created = await self.store.create(session)
+        self.stats.created += 1
+        return created
 
     async def get(self, tenant: str, session_id: str) -> Session:
         session = await self.store.get(tenant, session_id)
@@ -75,6 +93,7 @@ class SessionManager:
     async def delete(self, tenant: str, session_id: str) -> None:
         if not await self.store.delete(tenant, session_id):
             raise SessionNotFound(session_id)
+        self.stats.deleted += 1
 
     async def begin_turn(
         self, tenant: str, session_id: str, new: Sequence[Message], request_id: str
@@ -89,13 +108,17 @@ class SessionManager:
         session = await self.get(tenant, session_id)
         now = self._clock()
         if session.is_running(now):
+            self.stats.turns_in_progress += 1
             raise TurnInProgress(session_id)
         check_appended(session.messages, new)
         lease = TurnLease(request_id=request_id, expires_at=now + self.turn_lease_s)
         try:
-            return await self.store.put(msgspec.structs.replace(session, running=lease))
+            claimed = await self.store.put(msgspec.structs.replace(session, running=lease))
         except VersionConflict:
+            self.stats.turns_in_progress += 1
             raise TurnInProgress(session_id) from None
+        self.stats.turns_started += 1
+        return claimed
 
     async def finish_turn(
         self,
@@ -126,10 +149,16 @@ class SessionManager:
                 updated_at=self._clock(),
             )
 
-        return await self._update_leased(session, update)
+        recorded = await self._update_leased(session, update)
+        if recorded is None:
+            self.stats.turns_dropped += 1
+        else:
+            self.stats.turns_finished[record.finish_reason] += 1
+        return recorded
 
     async def abort_turn(self, session: Session) -> None:
         """Release the lease of a turn that records nothing (it failed before answering)."""
+        self.stats.turns_aborted += 1
         await self._update_leased(session, lambda s: msgspec.structs.replace(s, running=None))
 
     async def _update_leased(

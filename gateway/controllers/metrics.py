@@ -82,7 +82,8 @@ def _metrics_lifespan(
     @asynccontextmanager
     async def metrics_lifespan(app: Litestar) -> AsyncIterator[None]:
         state = app.state
-        state.metrics = GatewayMetrics(http, state.dispatcher, state.model.prompt_cache)
+        sessions = state.sessions.manager.stats if "sessions" in state else None
+        state.metrics = GatewayMetrics(http, state.dispatcher, state.model.prompt_cache, sessions)
         try:
             yield
         finally:

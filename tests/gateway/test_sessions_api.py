@@ -4,6 +4,7 @@ validation, WebSocket turns and cancel, tenant isolation, 404 / 400 / 409 errors
 store behind the same API."""
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -236,3 +237,23 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     if isinstance(exc, BaseExceptionGroup):
         return [leaf for e in exc.exceptions for leaf in _leaves(e)]
     return [exc]
+
+
+def test_session_metrics_count_sessions_and_turn_outcomes(client: TestClient[Litestar]) -> None:
+    def scrape() -> dict[str, float]:
+        text = client.get("/metrics").text
+        pattern = r"^(agentgate_sessions?_\w+(?:\{[^}]*\})?) (\S+)$"
+        return {k: float(v) for k, v in re.findall(pattern, text, re.M)}
+
+    before = scrape()
+    sid = _create(client)
+    assert _turn(client, sid, _user("hello")).status_code == 200
+    assert client.delete(f"/v1/sessions/{sid}", headers=KEY_A).status_code == 200
+    after = scrape()
+
+    def grew(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert grew("agentgate_sessions_created_total") == 1, after
+    assert grew("agentgate_sessions_deleted_total") == 1, after
+    assert grew('agentgate_session_turns_total{outcome="length"}') == 1, after
