@@ -172,3 +172,29 @@ def test_response_format_json_schema(client: openai.OpenAI) -> None:
     )
     assert out.choices[0].finish_reason == "stop", out
     jsonschema.validate(json.loads(out.choices[0].message.content or ""), schema)
+
+
+def test_client_disconnect_aborts_the_worker_request(gateway: LiveGateway) -> None:
+    """Closing a streamed response mid-way aborts the request on the worker: the gateway's
+    in-flight gauge and the worker's running count go back to 0 long before 4,000 tokens."""
+    import re
+    import time
+
+    import httpx
+
+    def busy() -> float:
+        text = httpx.get(f"{gateway.base_url}/metrics", timeout=10).text
+        pattern = r"^agentgate_worker_(?:in_flight|running)_requests\{[^}]*\} (\S+)$"
+        return sum(float(v) for v in re.findall(pattern, text, re.M))
+
+    body = {"model": "demo", "messages": MESSAGES, "max_tokens": 4000, "stream": True,
+            "temperature": 1.0}
+    with httpx.stream("POST", f"{gateway.api_url}/chat/completions", json=body,
+                      timeout=30) as resp:
+        assert resp.status_code == 200
+        first = next(line for line in resp.iter_lines() if line.startswith("data: "))
+        assert first and busy() >= 1
+    deadline = time.monotonic() + 10
+    while (load := busy()) > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert load == 0, "the worker still runs the request after the client went away"
