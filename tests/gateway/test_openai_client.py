@@ -187,13 +187,19 @@ def test_client_disconnect_aborts_the_worker_request(gateway: LiveGateway) -> No
         pattern = r"^agentgate_worker_(?:in_flight|running)_requests\{[^}]*\} (\S+)$"
         return sum(float(v) for v in re.findall(pattern, text, re.M))
 
+    # NOTE: the random demo model may sample EOS early; a schema needing 3,000 characters cannot
+    # end before them (EOS is masked until the grammar completes)
+    long_text = {"type": "object", "required": ["s"],
+                 "properties": {"s": {"type": "string", "minLength": 3000}}}
     body = {"model": "demo", "messages": MESSAGES, "max_tokens": 4000, "stream": True,
-            "temperature": 1.0}
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "long", "schema": long_text}}}
     with httpx.stream("POST", f"{gateway.api_url}/chat/completions", json=body,
                       timeout=30) as resp:
         assert resp.status_code == 200
-        first = next(line for line in resp.iter_lines() if line.startswith("data: "))
-        assert first and busy() >= 1
+        lines = resp.iter_lines()  # NOTE: kept: closing this iterator closes the response
+        assert next(line for line in lines if line.startswith("data: "))
+        assert busy() >= 1
     deadline = time.monotonic() + 10
     while (load := busy()) > 0 and time.monotonic() < deadline:
         time.sleep(0.2)
