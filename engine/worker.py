@@ -3,6 +3,8 @@
     python -m engine.worker --listen tcp://127.0.0.1:5555 --events tcp://127.0.0.1:5556 \\
         [--model DIR] [--backend native|sim] [--replay tcp://...] [...]   (see --help)
 
+The command line (flags, signals, the start line) is ``engine.worker_cli``.
+
 Clients are DEALER sockets sending single-frame ``engine.protocol`` messages; every reply goes to
 the identity that sent the message. Message flow:
 
@@ -37,15 +39,12 @@ model's step time (``--cost``), so a sim worker paces like a real one (``--cost 
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import logging
 import os
-import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,7 +80,6 @@ logger = logging.getLogger(__name__)
 
 COSTS = ("cpu", "h200", "zero")  # engine.sim.COST_PRESETS
 MAX_STREAM_INTERVAL_S = 10.0  # NOTE: well below a client's idle timeout (the gateway's: 30 s)
-_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 @dataclass(frozen=True, slots=True)
@@ -401,66 +399,7 @@ class Worker:
             self._last_load, self._stepped = now, False
 
 
-# ---------------------------------------------------------------------- command line
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The worker's flags (shared by ``python -m engine.worker`` and ``agentgate worker``)."""
-    add = parser.add_argument
-    add("--model", help="model directory (config.json + safetensors); the sim backend "
-                        "defaults to the built-in demo geometry")
-    add("--listen", required=True, help="ROUTER endpoint for requests, e.g. tcp://127.0.0.1:5555")
-    add("--events", required=True, help="PUB endpoint for KV events (topic kv) and load "
-                                        "reports (topic load)")
-    add("--replay", help="ROUTER endpoint for KV event replay (default: none)")
-    add("--backend", choices=("native", "sim"), help="default native (or AGENTGATE_BACKEND)")
-    add("--page-size", type=int, help="tokens per KV page (a power of 2; default 16)")
-    add("--kv-budget-mb", type=int, help="KV byte budget in MiB (default 256)")
-    add("--max-batched-tokens", type=int, help="token budget per step (default 512)")
-    add("--no-prefix-cache", action="store_const", const=False, dest="prefix_cache",
-        help="keep no KV of finished requests")
-    add("--worker-id", help="name in Welcome and LoadReport (default host-pid)")
-    add("--cost", choices=COSTS, default="cpu", help="sim backend step-time preset")
-    add("--dtype", help="native backend: float32, bfloat16 or auto")
-    add("--device", help="native backend: cpu or cuda (default: cuda if available)")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Start a worker from parsed flags and serve until SIGINT/SIGTERM; returns the exit status."""
-    logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)
-    engine_cfg = EngineConfig.from_env(
-        model_path=args.model, backend=args.backend, page_size=args.page_size,
-        kv_budget_bytes=args.kv_budget_mb * 2**20 if args.kv_budget_mb else None,
-        max_num_batched_tokens=args.max_batched_tokens, enable_prefix_cache=args.prefix_cache,
-        dtype=args.dtype, device=args.device,
-    )
-    if engine_cfg.backend == "native" and engine_cfg.model_path is None:
-        raise ValueError("--model is required with the native backend")
-    extra = {"worker_id": args.worker_id} if args.worker_id else {}
-    cfg = WorkerConfig(listen=args.listen, events=args.events, replay=args.replay,
-                       cost=args.cost, **extra)
-    worker = Worker(cfg, engine_cfg)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: worker.stop())
-    listen, events = worker.endpoints
-    print(f"worker {cfg.worker_id} listening on {listen}, events on {events}",
-          file=sys.stderr, flush=True)
-    try:
-        worker.serve()
-    finally:
-        worker.close()
-    return 0
-
-
-def main(argv: Seq[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except (AssertionError, ValueError, FileNotFoundError, zmq.ZMQError) as e:
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        return 2
+# ---------------------------------------------------------------------- helpers
 
 
 def _model_config(cfg: EngineConfig) -> ModelConfig:
@@ -479,4 +418,6 @@ def _any_port(endpoint: str) -> str:
 
 
 if __name__ == "__main__":
+    from engine.worker_cli import main  # NOTE: imported here only: worker_cli imports this module
+
     sys.exit(main(prog="python -m engine.worker"))

@@ -33,7 +33,7 @@ class CliError(Exception):
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
-    # NOTE: `worker` forwards its flags to engine.worker (defined there, parsed there), so they
+    # NOTE: `worker` forwards its flags to engine.worker_cli (defined there, parsed there), so they
     # are only known after the engine is imported: collect them as extras.
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "forward_args", False):
@@ -121,7 +121,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from engine.worker import main as worker_main
+    from engine.worker_cli import main as worker_main
 
     return worker_main(args.extra, prog="agentgate worker")
 
