@@ -117,7 +117,9 @@ def serve(
                             redis_url=redis_url)
         print(f"agentgate: gateway on http://{host}:{port}/v1 over {len(endpoints)} worker(s)",
               file=sys.stderr)
-        uvicorn.run(create_app(cfg), host=host, port=port, log_level="warning")
+        # NOTE: no access log (one logging call per request on the hot path; /metrics counts
+        # requests by endpoint and status instead)
+        uvicorn.run(create_app(cfg), host=host, port=port, log_level="warning", access_log=False)
     finally:
         for worker in workers:
             worker.stop()
