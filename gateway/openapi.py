@@ -18,18 +18,25 @@ from gateway.schemas import (
     CompletionRequest,
     ErrorBody,
 )
+from gateway.schemas.sessions import (
+    DeletedSession,
+    SessionCreateRequest,
+    SessionObject,
+    TurnEnd,
+    TurnRequest,
+)
 
-# (path, method) -> (request body, JSON response, SSE event); extended by register_bodies()
+_FRAMES = "frame (turn_start, delta, tool_call, turn_end or error; see WS /v1/sessions/{id}/ws)"
+# (path, method) -> (request body, JSON response, SSE event: a type or a description)
 _BODIES: dict[tuple[str, str], tuple[Any, Any, Any]] = {
     ("/v1/chat/completions", "post"): (ChatCompletionRequest, ChatCompletion, ChatCompletionChunk),
     ("/v1/completions", "post"): (CompletionRequest, Completion, Completion),
+    ("/v1/sessions", "post"): (SessionCreateRequest, SessionObject, None),
+    ("/v1/sessions/{session_id}", "get"): (None, SessionObject, None),
+    ("/v1/sessions/{session_id}", "delete"): (None, DeletedSession, None),
+    ("/v1/sessions/{session_id}/turns", "post"): (TurnRequest, TurnEnd, _FRAMES),
 }
 _REF = "#/components/schemas/{name}"
-
-
-def register_bodies(path: str, method: str, request: Any, response: Any, event: Any = None) -> None:
-    """Document another route's bodies (a controller module calls this at import)."""
-    _BODIES[(path, method)] = (request, response, event)
 
 
 @get("/openapi.json", include_in_schema=False, sync_to_thread=False, media_type="application/json")
@@ -42,7 +49,8 @@ def openapi_json(request: Request[Any, Any, Any]) -> dict[str, Any]:
 
 def build_document(base: dict[str, Any]) -> dict[str, Any]:
     """``base`` (litestar's document) with the bodies of ``_BODIES`` and the error body."""
-    types = {t for bodies in _BODIES.values() for t in bodies if t is not None} | {ErrorBody}
+    types = {t for bodies in _BODIES.values() for t in bodies if isinstance(t, type)}
+    types.add(ErrorBody)
     _, components = msgspec.json.schema_components(sorted(types, key=repr), ref_template=_REF)
     doc = dict(base)
     doc.setdefault("components", {}).setdefault("schemas", {}).update(components)
@@ -56,7 +64,7 @@ def build_document(base: dict[str, Any]) -> dict[str, Any]:
         if event is not None:
             ok["text/event-stream"] = {
                 "schema": {"type": "string", "description":
-                           f"SSE: `data: <{event.__name__} JSON>` events, then `data: [DONE]`"}
+                           f"SSE: `data: <{getattr(event, '__name__', event)} JSON>` events"}
             }
         op["responses"] = {
             "200": {"description": "OK", "content": ok},

@@ -29,7 +29,7 @@ from engine.sampling_params import MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 4
 _Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
-_TokenId = Annotated[int, Meta(ge=0)]
+_TokenId = Annotated[int, Meta(ge=0, lt=2**31)]  # NOTE: bounded: ids travel as msgpack ints
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter"]
 
 

@@ -63,5 +63,32 @@ def test_document_bodies_resolve_and_match_real_traffic(client: TestClient[Lites
     _validator(doc, error_schema).validate(bad.json())
 
 
+def test_session_bodies_match_real_traffic(client: TestClient[Litestar]) -> None:
+    doc = client.get("/openapi.json").json()
+    paths = doc["paths"]
+
+    def schema(path: str, method: str, part: str) -> dict[str, Any]:
+        op = paths[path][method]
+        node = op["requestBody"] if part == "request" else op["responses"]["200"]
+        return node["content"]["application/json"]["schema"]
+
+    create = {"system": "Be brief.", "metadata": {"k": "v"}}
+    _validator(doc, schema("/v1/sessions", "post", "request")).validate(create)
+    session = client.post("/v1/sessions", json=create)
+    assert session.status_code == 200, session.text
+    _validator(doc, schema("/v1/sessions", "post", "response")).validate(session.json())
+    sid = session.json()["id"]
+    turn = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    _validator(doc, schema("/v1/sessions/{session_id}/turns", "post", "request")).validate(turn)
+    answer = client.post(f"/v1/sessions/{sid}/turns", json=turn)
+    assert answer.status_code == 200, answer.text
+    turn_schema = schema("/v1/sessions/{session_id}/turns", "post", "response")
+    _validator(doc, turn_schema).validate(answer.json())
+    got = client.get(f"/v1/sessions/{sid}").json()
+    _validator(doc, schema("/v1/sessions/{session_id}", "get", "response")).validate(got)
+    deleted = client.delete(f"/v1/sessions/{sid}").json()
+    _validator(doc, schema("/v1/sessions/{session_id}", "delete", "response")).validate(deleted)
+
+
 def test_litestar_ui_is_served(client: TestClient[Litestar]) -> None:
     assert client.get("/schema").status_code == 200
