@@ -53,15 +53,19 @@ def grammar_text(spec: StructuredSpec) -> str:
     """
     from llguidance import LLMatcher
 
-    if spec.lark is not None:
-        return LLMatcher.grammar_from_lark(spec.lark)
     try:
+        if spec.lark is not None:
+            return LLMatcher.grammar_from_lark(spec.lark)
         schema = json.loads(spec.json_schema or "")
     except ValueError as e:
-        raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+        raise GrammarError(f"the grammar is not valid: {e}") from None
     if not isinstance(schema, dict):
         raise GrammarError(f"json_schema must be a JSON object, got {type(schema).__name__}")
-    return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT)  # type: ignore[arg-type]
+    try:
+        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT)  # type: ignore[arg-type]
+    except (ValueError, TypeError, OverflowError) as e:
+        # NOTE: a value llguidance cannot serialize back (an int beyond 64 bits, ...)
+        raise GrammarError(f"json_schema is not usable: {e}") from None
 
 
 def check_grammar(spec: StructuredSpec) -> None:

@@ -33,6 +33,7 @@ class ModelState:
     tokenizer: Tokenizer
     prompt_cache: PromptCache
     max_context: int  # prompt + completion tokens, from config.json max_position_embeddings
+    vocab_size: int | None = None  # the model's (config.json), None when the config lacks it
 
 
 def load_model(model_dir: Path, name: str | None = None) -> ModelState:
@@ -40,7 +41,11 @@ def load_model(model_dir: Path, name: str | None = None) -> ModelState:
     config_path = model_dir / "config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
     max_context = int(config.get("max_position_embeddings", DEFAULT_MAX_CONTEXT))
-    return ModelState(name or model_dir.name, tokenizer, PromptCache(tokenizer), max_context)
+    vocab_size = config.get("vocab_size")
+    return ModelState(
+        name or model_dir.name, tokenizer, PromptCache(tokenizer), max_context,
+        int(vocab_size) if vocab_size is not None else None,
+    )
 
 
 @asynccontextmanager

@@ -76,6 +76,7 @@ class CompletionsController(Controller):
         model, dispatcher = _resources(request)
         req = decode_completion_request(await request.body())
         prompt = model.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
+        _check_vocab(prompt, model.vocab_size)
         salt = cache_salt(tenant_of(request))
         head, started = await _start(dispatcher, model, req, list(prompt), "prompt", salt)
         if req.stream:
@@ -144,6 +145,15 @@ async def _start(
     )
     started = await start(dispatcher, generate)
     return _Head(generate.request_id, model.name, int(time.time())), started
+
+
+def _check_vocab(token_ids: list[int], vocab_size: int | None) -> None:
+    if vocab_size is None:
+        return
+    for i, token_id in enumerate(token_ids):
+        if token_id >= vocab_size:
+            msg = f"token id {token_id} is outside this model's vocabulary [0, {vocab_size})"
+            raise RequestError(msg, param=f"prompt[{i}]")
 
 
 def _chat_prompt(req: ChatCompletionRequest, model: ModelState, salt: str | None) -> list[int]:

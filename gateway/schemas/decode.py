@@ -178,6 +178,25 @@ def _check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
         )
 
 
+def check_json_ints(value: Any, param: str) -> None:
+    """Free-form JSON (a tool's or a response format's schema) may hold only integers that fit
+    in 64 bits: session stores and the worker protocol encode it as msgpack, and the grammar
+    compiler as JSON numbers of that range.
+
+    Raises:
+        RequestError: naming ``param``.
+    """
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, int) and not -(2**63) <= item < 2**64:
+            raise RequestError(f"{param} holds the integer {item}, outside 64 bits", param=param)
+
+
 def _check_chat(req: ChatCompletionRequest) -> None:
     if not req.messages:
         raise RequestError("messages must contain at least one message", param="messages")
@@ -195,7 +214,8 @@ def _check_chat(req: ChatCompletionRequest) -> None:
 
 
 def check_tools(tools: list[Tool], choice: ToolChoice | None) -> None:
-    """Tool names are unique and a named ``tool_choice`` is one of them (raises RequestError)."""
+    """Tool names are unique, their schemas hold only 64-bit integers, and a named
+    ``tool_choice`` is one of them (raises RequestError)."""
     names: set[str] = set()
     for i, tool in enumerate(tools):
         if tool.function.name in names:
@@ -203,6 +223,7 @@ def check_tools(tools: list[Tool], choice: ToolChoice | None) -> None:
                 f"duplicate tool name {tool.function.name!r}", param=f"tools[{i}].function.name"
             )
         names.add(tool.function.name)
+        check_json_ints(tool.function.parameters, f"tools[{i}].function.parameters")
     if choice is None or choice in ("auto", "none"):
         return
     if not tools:

@@ -186,10 +186,7 @@ _FRAME_DECODER = msgspec.json.Decoder(ClientFrame)
 def decode_session_create(body: bytes) -> SessionCreateRequest:
     """Raises ``RequestError`` naming the parameter (``tools[0].function.name``, ...)."""
     req: SessionCreateRequest = _decode(_CREATE_DECODER, body)
-    names = [tool.function.name for tool in req.tools or []]
-    for i, name in enumerate(names):
-        if name in names[:i]:
-            raise RequestError(f"duplicate tool name {name!r}", param=f"tools[{i}].function.name")
+    check_tools(req.tools or [], None)
     return req
 
 

@@ -257,6 +257,10 @@ def test_check_grammar_without_tokenizer() -> None:
     check_grammar(_json_spec(PERSON))
     with pytest.raises(GrammarError, match="if"):
         check_grammar(StructuredSpec(json_schema='{"type": "object", "if": {}}'))
+    with pytest.raises(GrammarError, match="not usable"):  # an int llguidance cannot hold
+        check_grammar(StructuredSpec(json_schema='{"maximum": 99999999999999999999999}'))
+    with pytest.raises(GrammarError, match="not valid"):
+        check_grammar(StructuredSpec(json_schema="{"))
 
 
 @pytest.mark.parametrize("spec", [

@@ -14,6 +14,7 @@ from gateway.tokenizer import write_demo_tokenizer
 from tests.gateway.live import LiveGateway, live_gateway
 
 CONTEXT = 8192
+DEMO_VOCAB_SIZE = 320  # engine.models.checkpoint.DEMO_CONFIG (the sim worker's geometry)
 
 
 @pytest.fixture(scope="session")
@@ -24,11 +25,12 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo tokenizer and a config.json with only the context length: enough for the
-    gateway (which never loads weights) in front of a sim worker."""
+    """The demo tokenizer and a config.json with only the context length and the vocabulary
+    size: enough for the gateway (which never loads weights) in front of a sim worker."""
     out = tmp_path_factory.mktemp("demo-tokenizer")
     write_demo_tokenizer(out)
-    (out / "config.json").write_text(json.dumps({"max_position_embeddings": CONTEXT}))
+    config = {"max_position_embeddings": CONTEXT, "vocab_size": DEMO_VOCAB_SIZE}
+    (out / "config.json").write_text(json.dumps(config))
     return out
 
 

@@ -140,6 +140,10 @@ def test_completion_round_trip(client: TestClient[Litestar]) -> None:
     assert out["object"] == "text_completion" and isinstance(out["choices"][0]["text"], str)
     assert out["usage"]["prompt_tokens"] == len("Once upon a time"), out["usage"]
     _assert_error(client.post("/v1/completions", json=body | {"prompt": ""}), 400, "prompt")
+    _assert_error(client.post("/v1/completions", json=body | {"prompt": [1, 320]}), 400,
+                  "prompt[1]")  # NOTE: the demo vocabulary is [0, 320)
+    _assert_error(client.post("/v1/completions", json=body | {"prompt": [2**40]}), 400,
+                  "prompt[0]")
 
 
 def test_completion_stream_ends_with_reason_usage_and_done(client: TestClient[Litestar]) -> None:

@@ -257,3 +257,11 @@ def test_session_metrics_count_sessions_and_turn_outcomes(client: TestClient[Lit
     assert grew("agentgate_sessions_created_total") == 1, after
     assert grew("agentgate_sessions_deleted_total") == 1, after
     assert grew('agentgate_session_turns_total{outcome="length"}') == 1, after
+
+
+def test_tool_schema_integers_beyond_64_bits_are_400(client: TestClient[Litestar]) -> None:
+    """Found by hand after the fuzzer's hint: the Redis store (msgpack) could not hold such a
+    schema, which was a 500 there."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"x": 2**70}}}]
+    _assert_error(client.post("/v1/sessions", json={"tools": tools}, headers=KEY_A), 400,
+                  "tools[0].function.parameters")

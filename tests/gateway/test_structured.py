@@ -147,6 +147,9 @@ def test_response_format_json_object_yields_an_object(client: TestClient[Litesta
         "name": "x", "schema": {"type": "wat"}}}}, "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
      "response_format.json_schema.schema"),
+    # found by tests/gateway/test_fuzz.py: an int beyond 64 bits was a 500
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"": -(2**63) - 1}}}}, "response_format.json_schema.schema"),
     ({"tools": [TOOLS[1], {"type": "function", "function": {
         "name": "bad", "parameters": {"type": "object", "properties": {"x": {"type": "wat"}}}}}],
       "tool_choice": "required"}, "tools[1].function.parameters"),
