@@ -19,6 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.kv.paged import SeqPages
@@ -72,37 +73,48 @@ class SimRunner:
         sampling = [s.seq for s in batch if s.samples]
         if not sampling:
             return None
-        tokens = [self._token(q) for q in sampling]
+        # NOTE: a grammar's allowed ids are computed once per row (a bitmask per call)
+        allowed = [
+            q.grammar.allowed(self.vocab_size).nonzero()[0] if q.grammar is not None else None
+            for q in sampling
+        ]
+        tokens = [self._token(q, ids) for q, ids in zip(sampling, allowed)]
         if all(q.params.logprobs is None for q in sampling):
             return SampleOutput(torch.tensor(tokens), None, [None] * len(tokens))
         # NOTE: the sim's "model" is uniform over the tokens it may draw from (all but the stop
         # ids, or what the grammar allows), so every choice has the same logprob.
-        logprobs = torch.tensor([-math.log(self._num_choices(q)) for q in sampling])
-        top = [self._top(q, t, float(lp)) for q, t, lp in zip(sampling, tokens, logprobs)]
+        logprobs = torch.tensor(
+            [-math.log(self._num_choices(q, ids)) for q, ids in zip(sampling, allowed)]
+        )
+        top = [
+            self._top(q, ids, t, float(lp))
+            for q, ids, t, lp in zip(sampling, allowed, tokens, logprobs)
+        ]
         return SampleOutput(torch.tensor(tokens), logprobs, top)
 
-    def _num_choices(self, seq: SeqState) -> int:
-        if seq.grammar is not None:
-            return max(1, int(seq.grammar.allowed(self.vocab_size).sum()))
+    def _num_choices(self, seq: SeqState, allowed: np.ndarray | None) -> int:
+        if allowed is not None:
+            return max(1, len(allowed))
         return self.vocab_size - len(seq.stop_ids)
 
-    def _top(self, seq: SeqState, token: int, logprob: float) -> list[tuple[int, float]] | None:
+    def _top(
+        self, seq: SeqState, allowed: np.ndarray | None, token: int, logprob: float
+    ) -> list[tuple[int, float]] | None:
         """The sampled token, then the lowest other ids it could have drawn (all tie)."""
         n = seq.params.logprobs
         if n is None or n == 0:
             return None if n is None else []
-        if seq.grammar is not None:
-            choices = (int(t) for t in seq.grammar.allowed(self.vocab_size).nonzero()[0])
+        if allowed is not None:
+            choices = (int(t) for t in allowed)
         else:
             choices = (t for t in range(self.vocab_size) if t not in seq.stop_ids)
         others = itertools.islice((t for t in choices if t != token), n - 1)
         return [(token, logprob), *((t, logprob) for t in others)]
 
-    def _token(self, seq: SeqState) -> int:
+    def _token(self, seq: SeqState, allowed: np.ndarray | None) -> int:
         key = f"{seq.request_id}:{seq.num_tokens}".encode()
         draw = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
-        if seq.grammar is not None:
-            allowed = seq.grammar.allowed(self.vocab_size).nonzero()[0]
+        if allowed is not None:
             return int(allowed[draw % len(allowed)])
         token = draw % self.vocab_size
         while token in seq.stop_ids:

@@ -116,21 +116,18 @@ def new_request_id(prefix: str = "chatcmpl") -> str:
 
 
 def build_generate(
-    model: ModelState,
     input_ids: list[int],
     sampling: SamplingSpec,
     *,
     request_id: str,
-    param: str = "messages",
     session_id: str | None = None,
     cache_salt: str | None = None,
     retain_ttl_s: float | None = None,
     stream: bool = True,
 ) -> Generate:
-    """The worker request; a prompt that leaves no room in the context is a 400 on ``param``.
+    """The worker request (the caller has checked the context with ``check_context``).
     ``stream=False`` (the client wants the whole answer) lets the worker hold tokens back for
     ``WHOLE_ANSWER_INTERVAL_S``: one message per short answer instead of one per token."""
-    check_context(model, len(input_ids), param)
     return Generate(
         request_id=request_id, input_ids=input_ids, sampling=sampling, session_id=session_id,
         cache_salt=cache_salt, retain_ttl_s=retain_ttl_s,
@@ -195,7 +192,7 @@ async def chat_deltas(
             for delta in filter(None, map(_delta, events)):
                 yield ChatDelta(delta, _take(pending, opts.logprobs))
             has_calls = parser is not None and parser.num_calls > 0
-            reason = _finish_reason(piece, has_calls)
+            reason = finish_reason(piece, has_calls)
             yield ChatEnd(reason, usage_of(piece), _take(pending, opts.logprobs))
             return
         if opts.logprobs and piece.logprobs is not None:
@@ -229,10 +226,17 @@ async def chat_result(started: Started, model: ModelState, opts: OutputOptions) 
         for c in (parsed.tool_calls if parsed is not None else [])
     ]
     message = ResponseMessage(content=content or None, tool_calls=calls or None)
-    reason = _finish_reason(finished, bool(calls))
+    reason = finish_reason(finished, bool(calls))
     return ChatResult(
         message, reason, usage_of(finished), logprobs if opts.logprobs else None, token_ids
     )
+
+
+def finish_reason(item: Finished, has_calls: bool = False) -> Any:
+    """The OpenAI finish reason of a worker's ``Finished`` ("tool_calls" when calls were made)."""
+    if has_calls:
+        return "tool_calls"
+    return "length" if item.finish_reason == "length" else "stop"
 
 
 def usage_of(item: Finished) -> Usage:
@@ -274,12 +278,6 @@ def _with_reason(item: Finished, reason: str) -> Finished:
 
 def _piece(item: TokenDelta, text: str) -> Piece:
     return Piece(text, item.token_ids, item.logprobs, item.top_logprobs)
-
-
-def _finish_reason(item: Finished, has_calls: bool) -> Any:
-    if has_calls:
-        return "tool_calls"
-    return "length" if item.finish_reason == "length" else "stop"
 
 
 def _take(pending: list[TokenLogprob], wanted: bool) -> list[TokenLogprob] | None:

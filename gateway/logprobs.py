@@ -12,6 +12,7 @@ from functools import cache
 
 from gateway.schemas import TokenLogprob, TopLogprob
 from gateway.tokenizer import Tokenizer
+from gateway.tokenizer.demo import byte_to_unicode
 
 
 class TokenTexts:
@@ -66,13 +67,4 @@ def chat_logprobs(
 @cache
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte -> printable character table, inverted (character -> byte)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+    return {char: byte for byte, char in byte_to_unicode().items()}

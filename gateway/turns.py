@@ -77,7 +77,7 @@ async def begin_turn(
             stop_token_ids=model.tokenizer.eos_token_ids,
         )
         generate = build_generate(
-            model, prompt.token_ids, spec, request_id=request_id, session_id=session.id,
+            prompt.token_ids, spec, request_id=request_id, session_id=session.id,
             cache_salt=cache_salt(tenant),
             # NOTE: whether a turn ends in tool calls is only known at its end, so every turn of
             # a session with tools asks the worker to keep its tail checkpoint while a tool runs

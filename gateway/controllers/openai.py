@@ -28,6 +28,7 @@ from gateway.generation import (
     chat_deltas,
     chat_result,
     check_context,
+    finish_reason,
     new_request_id,
     pieces,
     start,
@@ -140,8 +141,7 @@ async def _start(
     )
     prefix = "chatcmpl" if param == "messages" else "cmpl"
     generate = build_generate(
-        model, input_ids, spec, request_id=new_request_id(prefix), param=param, cache_salt=salt,
-        stream=req.stream,
+        input_ids, spec, request_id=new_request_id(prefix), cache_salt=salt, stream=req.stream
     )
     started = await start(dispatcher, generate)
     return _Head(generate.request_id, model.name, int(time.time())), started
@@ -223,7 +223,7 @@ async def _completion(
     async for piece in pieces(started, model, req.stop_strings):
         if isinstance(piece, Finished):
             choice = CompletionChoice(
-                index=0, text="".join(text), finish_reason=_reason(piece),
+                index=0, text="".join(text), finish_reason=finish_reason(piece),
                 logprobs=texts.result(),
             )
             return Completion(
@@ -251,7 +251,7 @@ async def _completion_sse(
         async for piece in stream:
             if isinstance(piece, Finished):
                 usage = usage_of(piece) if req.include_usage else msgspec.UNSET
-                yield event("", _reason(piece), usage=usage)
+                yield event("", finish_reason(piece), usage=usage)
                 break
             texts.add(piece.token_ids, piece.logprobs, piece.top_logprobs)
             if piece.text:
@@ -261,10 +261,6 @@ async def _completion_sse(
     finally:
         await stream.aclose()
     yield _event("[DONE]")
-
-
-def _reason(item: Finished) -> Any:
-    return "length" if item.finish_reason == "length" else "stop"
 
 
 class _CompletionLogprobs:
