@@ -8,9 +8,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +33,8 @@ from engine.protocol import (
     encode,
 )
 from engine.sampling_params import StructuredSpec
-from engine.worker import Worker, WorkerConfig
 from gateway.tokenizer import write_demo_tokenizer
+from tests.engine.worker_harness import worker_thread
 
 EOS = (258, 256)  # <|im_end|>, <|endoftext|> in the demo tokenizer
 VOCAB = 320
@@ -291,8 +288,7 @@ def test_no_tokenizer_is_a_grammar_error() -> None:
 
 
 def test_worker_answers_invalid_grammar_to_that_request_only(model_dir: Path) -> None:
-    cfg = WorkerConfig(listen="tcp://127.0.0.1:0", events="tcp://127.0.0.1:0", cost="zero")
-    with _worker_thread(cfg, EngineConfig(model_path=str(model_dir), backend="sim")) as worker:
+    with worker_thread(EngineConfig(model_path=str(model_dir), backend="sim")) as worker:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(worker.endpoints[0])
@@ -321,19 +317,6 @@ def _run(engine: Engine, max_steps: int = 5000) -> None:
             return
         engine.step()
     pytest.fail(f"not done after {max_steps} steps")
-
-
-@contextmanager
-def _worker_thread(cfg: WorkerConfig, engine_cfg: EngineConfig) -> Iterator[Worker]:
-    worker = Worker(cfg, engine_cfg)
-    thread = threading.Thread(target=worker.serve, daemon=True)
-    thread.start()
-    try:
-        yield worker
-    finally:
-        worker.stop()
-        thread.join(timeout=5)
-        worker.close()
 
 
 def _replies(sock: zmq.Socket[bytes], pending: set[str]) -> dict[str, list[Any]]:

@@ -4,23 +4,17 @@ of range is ``invalid_request``."""
 
 import asyncio
 import math
-from collections.abc import Iterator
 
 import pytest
 
 from engine.protocol import Finished, Generate, SamplingSpec, TokenDelta
 from gateway.dispatch import WorkerClient, WorkerError
-from gateway.serve import WorkerProcess, spawn_worker
+from gateway.serve import WorkerProcess
 
 
 @pytest.fixture(scope="module")
-def worker() -> Iterator[WorkerProcess]:
-    proc = spawn_worker(model_dir=None, backend="sim", worker_id="interval",
-                        extra_args=["--cost", "cpu"], timeout_s=60)
-    try:
-        yield proc
-    finally:
-        proc.stop()
+def worker(sim_worker: WorkerProcess) -> WorkerProcess:
+    return sim_worker
 
 
 def _run(worker: WorkerProcess, *requests: Generate) -> list[list[object]]:

@@ -3,15 +3,16 @@
 reconfigures a worker starts its own."""
 
 import json
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from gateway.cli import init_demo_model
-from gateway.serve import WorkerProcess, spawn_worker
+from gateway.serve import WorkerProcess
 from gateway.tokenizer import write_demo_tokenizer
-from tests.gateway.live import LiveGateway, live_gateway
+from tests.gateway.live import LiveGateway, live_gateway, start_sim_worker
 
 CONTEXT = 8192
 DEMO_VOCAB_SIZE = 320  # engine.models.checkpoint.DEMO_CONFIG (the sim worker's geometry)
@@ -37,12 +38,22 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def sim_worker() -> Iterator[WorkerProcess]:
     """A sim worker whose model costs nothing (``--cost zero``), on the demo geometry."""
-    proc = spawn_worker(model_dir=None, backend="sim", worker_id="gateway-tests",
-                        extra_args=["--cost", "zero"], timeout_s=60)
+    proc = start_sim_worker("gateway-tests")
     try:
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture
+def victim() -> Iterator[WorkerProcess]:
+    """A paced sim worker of its own (``--cost cpu``, a few ms a step, so a long request is
+    surely still running when the test kills it)."""
+    worker = start_sim_worker("victim", "cpu")
+    try:
+        yield worker
+    finally:
+        worker.stop(signal.SIGKILL)
 
 
 @pytest.fixture(scope="session")

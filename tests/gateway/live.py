@@ -12,7 +12,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+from gateway.serve import ServeError, WorkerProcess, spawn_worker
+
 READY_TIMEOUT_S = 90
+WORKER_START_TIMEOUT_S = 60
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +39,16 @@ class LiveGateway:
             self.proc.kill()
             out, _ = self.proc.communicate()
         return out
+
+
+def start_sim_worker(worker_id: str, cost: str = "zero") -> WorkerProcess:
+    """A sim worker (``--cost cpu|h200|zero``) on free ports, started and awaited by the same
+    code as ``agentgate serve``; a worker that does not start fails the test."""
+    try:
+        return spawn_worker(model_dir=None, backend="sim", worker_id=worker_id,
+                            extra_args=("--cost", cost), timeout_s=WORKER_START_TIMEOUT_S)
+    except ServeError as e:
+        pytest.fail(str(e))
 
 
 def free_port() -> int:

@@ -25,35 +25,25 @@ from gateway.dispatch import (
     WorkerDead,
     WorkerError,
 )
-from gateway.serve import ServeError, WorkerProcess, spawn_worker
+from gateway.serve import WorkerProcess
+from tests.gateway.live import start_sim_worker
 
 LONG_TOKENS = 8000  # NOTE: the demo max_context is 8192; ~45 s on a paced worker
-_START_TIMEOUT_S = 60.0
 _TEST_TIMEOUT_S = 20.0
 _ids = iter(range(1, 10**6))
 
 
 @pytest.fixture(scope="module")
 def workers() -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
-    a = _start_worker("paced", "cpu")
+    a = start_sim_worker("paced", "cpu")
     try:
-        b = _start_worker("fast", "zero")
+        b = start_sim_worker("fast", "zero")
         try:
             yield a, b
         finally:
             b.stop()
     finally:
         a.stop()
-
-
-@pytest.fixture
-def victim() -> Iterator[WorkerProcess]:
-    """A worker of its own, for a test to kill."""
-    worker = _start_worker("victim", "cpu")
-    try:
-        yield worker
-    finally:
-        worker.stop(signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------- WorkerClient
@@ -285,10 +275,3 @@ def _assert_finished(last: object, reason: str, completion_tokens: int) -> None:
     assert (last.finish_reason, last.completion_tokens) == (reason, completion_tokens), last
 
 
-def _start_worker(worker_id: str, cost: str) -> WorkerProcess:
-    """A sim worker on free ports, started and awaited by the same code as ``agentgate serve``."""
-    try:
-        return spawn_worker(model_dir=None, backend="sim", worker_id=worker_id,
-                            extra_args=("--cost", cost), timeout_s=_START_TIMEOUT_S)
-    except ServeError as e:
-        pytest.fail(str(e))

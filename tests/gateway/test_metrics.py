@@ -2,7 +2,6 @@
 endpoint and status (4xx included), TTFT / inter-token histograms, token counters, the prompt
 cache's counters and worker health, which drops to 0 once a killed worker is noticed."""
 
-import json
 import signal
 import time
 from collections.abc import Iterator
@@ -16,24 +15,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import GatewayConfig, create_app
 from gateway.metrics import Histogram
-from gateway.serve import WorkerProcess, spawn_worker
-from gateway.tokenizer import write_demo_tokenizer
+from gateway.serve import WorkerProcess
+from tests.gateway.live import start_sim_worker
 
 URL = "/v1/chat/completions"
 MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("demo-model")
-    write_demo_tokenizer(out)
-    (out / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
-    return out
-
-
-@pytest.fixture(scope="module")
 def worker() -> Iterator[WorkerProcess]:
-    proc = _start_worker("metrics-test")
+    proc = start_sim_worker("metrics-test")
     try:
         yield proc
     finally:
@@ -41,8 +32,8 @@ def worker() -> Iterator[WorkerProcess]:
 
 
 @pytest.fixture(scope="module")
-def client(worker: WorkerProcess, model_dir: Path) -> Iterator[TestClient[Litestar]]:
-    cfg = GatewayConfig(model_dir=model_dir, workers=(worker.listen,), model_name="demo")
+def client(worker: WorkerProcess, tokenizer_dir: Path) -> Iterator[TestClient[Litestar]]:
+    cfg = GatewayConfig(model_dir=tokenizer_dir, workers=(worker.listen,), model_name="demo")
     with TestClient(create_app(cfg), raise_server_exceptions=False) as test_client:
         yield test_client
 
@@ -86,22 +77,18 @@ def test_metrics_count_requests_tokens_and_workers(
     assert after[("agentgate_worker_in_flight_requests", _key(up))] == 0.0, after
 
 
-def test_killed_worker_reads_down(model_dir: Path) -> None:
-    victim = _start_worker("metrics-victim")
-    try:
-        cfg = GatewayConfig(model_dir=model_dir, workers=(victim.listen,), heartbeat_s=0.1,
-                            dead_after_s=1.0)
-        app = create_app(cfg)
-        with TestClient(app, raise_server_exceptions=False) as test_client:
-            up = ("agentgate_worker_up", _key({"worker": victim.listen}))
-            assert _scrape(test_client)[up] == 1.0
-            victim.stop(signal.SIGKILL)
-            deadline = time.monotonic() + 5.0
-            while (value := _scrape(test_client)[up]) != 0.0 and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert value == 0.0, "worker_up still 1 five seconds after SIGKILL"
-    finally:
+def test_killed_worker_reads_down(tokenizer_dir: Path, victim: WorkerProcess) -> None:
+    cfg = GatewayConfig(model_dir=tokenizer_dir, workers=(victim.listen,), heartbeat_s=0.1,
+                        dead_after_s=1.0)
+    app = create_app(cfg)
+    with TestClient(app, raise_server_exceptions=False) as test_client:
+        up = ("agentgate_worker_up", _key({"worker": victim.listen}))
+        assert _scrape(test_client)[up] == 1.0
         victim.stop(signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while (value := _scrape(test_client)[up]) != 0.0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert value == 0.0, "worker_up still 1 five seconds after SIGKILL"
 
 
 # ---------------------------------------------------------------------- helpers
@@ -136,6 +123,3 @@ def _assert_grew(
     assert delta >= at_least, f"{name}{labels} grew by {delta}, expected >= {at_least}"
 
 
-def _start_worker(worker_id: str) -> WorkerProcess:
-    return spawn_worker(model_dir=None, backend="sim", worker_id=worker_id,
-                        extra_args=["--cost", "zero"], timeout_s=60)

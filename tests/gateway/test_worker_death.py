@@ -22,8 +22,8 @@ from litestar import Litestar
 
 from gateway.app import GatewayConfig, create_app
 from gateway.generation import WHOLE_ANSWER_INTERVAL_S
-from gateway.serve import WorkerProcess, spawn_worker
-from gateway.tokenizer import write_demo_tokenizer
+from gateway.serve import WorkerProcess
+from tests.gateway.live import start_sim_worker
 
 URL = "/v1/chat/completions"
 LONG_TOKENS = 4000  # NOTE: ~25 s on the paced worker, far longer than any wait below
@@ -37,16 +37,8 @@ class Gateway(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("demo-model")
-    write_demo_tokenizer(out)
-    (out / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
-    return out
-
-
-@pytest.fixture(scope="module")
 def spare() -> Iterator[WorkerProcess]:
-    worker = _start_worker("spare", "zero")
+    worker = start_sim_worker("spare", "zero")
     try:
         yield worker
     finally:
@@ -54,18 +46,11 @@ def spare() -> Iterator[WorkerProcess]:
 
 
 @pytest.fixture
-def victim() -> Iterator[WorkerProcess]:
-    worker = _start_worker("victim", "cpu")
-    try:
-        yield worker
-    finally:
-        worker.stop(signal.SIGKILL)
-
-
-@pytest.fixture
-def client(victim: WorkerProcess, spare: WorkerProcess, model_dir: Path) -> Iterator[Gateway]:
+def client(
+    victim: WorkerProcess, spare: WorkerProcess, tokenizer_dir: Path
+) -> Iterator[Gateway]:
     """A real HTTP server (TestClient buffers a streamed body whole) in a thread."""
-    app = create_app(GatewayConfig(model_dir=model_dir, workers=(victim.listen, spare.listen),
+    app = create_app(GatewayConfig(model_dir=tokenizer_dir, workers=(victim.listen, spare.listen),
                                    heartbeat_s=0.1, dead_after_s=DEAD_AFTER_S))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -153,6 +138,3 @@ def _chat(**overrides: Any) -> dict[str, Any]:
     return body | overrides
 
 
-def _start_worker(worker_id: str, cost: str) -> WorkerProcess:
-    return spawn_worker(model_dir=None, backend="sim", worker_id=worker_id,
-                        extra_args=["--cost", cost], timeout_s=60)
