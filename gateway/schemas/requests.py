@@ -191,7 +191,7 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_un
 
     @property
     def stop_strings(self) -> list[str]:
-        return _stop_strings(self.stop)
+        return stop_strings(self.stop)
 
     @property
     def include_usage(self) -> bool:
@@ -219,13 +219,14 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
 
     @property
     def stop_strings(self) -> list[str]:
-        return _stop_strings(self.stop)
+        return stop_strings(self.stop)
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-def _stop_strings(stop: str | list[str] | None) -> list[str]:
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    """The ``stop`` parameter as a list (OpenAI takes one string or a list)."""
     if stop is None:
         return []
     return [stop] if isinstance(stop, str) else list(stop)

@@ -28,6 +28,7 @@ from gateway.schemas.requests import (
     Tool,
     ToolCall,
     ToolChoice,
+    stop_strings,
 )
 from gateway.schemas.responses import ErrorDetail, ResponseMessage, Usage
 
@@ -70,9 +71,7 @@ class TurnParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
     @property
     def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return stop_strings(self.stop)
 
 
 class TurnRequest(TurnParams, frozen=True, kw_only=True, forbid_unknown_fields=True):
