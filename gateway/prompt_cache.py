@@ -10,7 +10,8 @@ How a hit at message j (messages[:j] cached, n messages sent) is rendered:
     | body         | render(anchor + messages[j:], gen=False)[len(a0):]    | encode(body)     |
     | gen prompt   | render(anchor + messages[j:], gen=True)[len(a1):]     | encode(gen)      |
 
-where anchor = [messages[0], messages[j-1]] (one of them when j == 1) gives the template the
+(the pieces come from ``sessions.prompt.PieceRenderer``, which session turns use too) where
+anchor = [messages[0], messages[j-1]] (one of them when j == 1) gives the template the
 context it reads (the system message, the previous message's role) and a0 = render(anchor,
 gen=False). The prefix render is never redone, so the template renders O(system + new messages)
 characters a turn, not O(history).
@@ -40,6 +41,7 @@ import xxhash
 
 from gateway.tokenizer import Tokenizer
 from gateway.tokenizer.template import Message
+from sessions.prompt import PieceRenderer, cut_ids_of
 
 _JSON = msgspec.json.Encoder(order="sorted")
 
@@ -81,14 +83,11 @@ class PromptCache:
         self.max_tokens = max_tokens
         template = (tokenizer.chat_template or "").encode()
         self._template_hash = xxhash.xxh3_64_intdigest(template)
-        added = tokenizer.backend.get_added_tokens_decoder()
-        self._cut_ids = frozenset(i for i, t in added.items() if not (t.lstrip or t.rstrip))
+        self._pieces = PieceRenderer(tokenizer, cut_ids_of(tokenizer))
         self._entries: OrderedDict[int, list[int]] = OrderedDict()
         self._num_tokens = 0
         self._verified: set[tuple[bool, bool]] = set()  # (has_tools, is_hit) checked once
         self._unstable: set[bool] = set()  # has_tools values that always render in full
-        self._suffixes: dict[tuple[bool, Any], str] = {}  # (has_tools, last role) -> gen prompt
-        self._unsafe_suffixes: set[tuple[bool, Any]] = set()
         self.stats = PromptCacheStats()
 
     def encode(
@@ -120,7 +119,7 @@ class PromptCache:
             return self._full(messages, tools, count_fallback=bool(messages))
         hashes = message_hashes(self._seed(tools, cache_salt), messages)
         num_cached, prefix_ids = self._longest_prefix(hashes)
-        pieces = self._render(messages, tools, num_cached, prefix_ids)
+        pieces = self._pieces.pieces(messages, tools, num_cached, prefix_ids)
         if pieces is None:
             return self._full(messages, tools, count_fallback=True)
         body_ids, gen_ids, rendered_chars = pieces
@@ -151,60 +150,6 @@ class PromptCache:
             if prefix_ids is not None:
                 return num_messages, prefix_ids
         return 0, []
-
-    def _render(
-        self,
-        messages: Sequence[Message],
-        tools: Sequence[Mapping[str, Any]] | None,
-        num_cached: int,
-        prefix_ids: list[int],
-    ) -> tuple[list[int], list[int], int] | None:
-        """(body_ids, gen_ids, rendered_chars), or None where a prefix or cut check fails."""
-        anchor = _anchor(messages, num_cached)
-        render = self._tokenizer.apply_chat_template
-        anchor_text = render(anchor, tools, add_generation_prompt=False) if anchor else ""
-        new = [*anchor, *messages[num_cached:]]
-        has_new = num_cached < len(messages)
-        body_text = render(new, tools, add_generation_prompt=False) if has_new else anchor_text
-        gen_text = body_text + self._generation_suffix(new, tools)
-        if not (body_text.startswith(anchor_text) and gen_text.startswith(body_text)):
-            return None
-        rendered_chars = len(gen_text) + len(body_text) * has_new + len(anchor_text)
-        body_ids = self._tokenizer.encode(body_text[len(anchor_text) :])
-        gen_ids = self._tokenizer.encode(gen_text[len(body_text) :])
-        if not self._are_safe_cuts([prefix_ids, body_ids, gen_ids]):
-            return None
-        return body_ids, gen_ids, rendered_chars
-
-    def _generation_suffix(
-        self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None
-    ) -> str:
-        """What ``add_generation_prompt=True`` appends to ``messages``' rendering.
-
-        NOTE: it depends on the template, the tools' presence and the last message's role only
-        (so it is rendered once per such key, saving a render per request); checked by rendering
-        both ways the first time, and a key where the check fails always renders both ways.
-        """
-        last = messages[-1] if messages else None
-        role = last.get("role") if isinstance(last, Mapping) else None
-        key = (bool(tools), role)
-        suffix = self._suffixes.get(key)
-        if suffix is not None:
-            return suffix
-        render = self._tokenizer.apply_chat_template
-        body = render(messages, tools, add_generation_prompt=False)
-        full = render(messages, tools, add_generation_prompt=True)
-        suffix = full[len(body):]
-        if full.startswith(body) and key not in self._unsafe_suffixes:
-            self._suffixes[key] = suffix
-        else:
-            self._unsafe_suffixes.add(key)
-        return suffix
-
-    def _are_safe_cuts(self, pieces: list[list[int]]) -> bool:
-        nonempty = [p for p in pieces if p]
-        pairs = zip(nonempty, nonempty[1:], strict=False)
-        return all(left[-1] in self._cut_ids or right[0] in self._cut_ids for left, right in pairs)
 
     def _verify(
         self,
@@ -273,12 +218,3 @@ def message_hashes(seed: int, messages: Sequence[Message]) -> list[int]:
         prev = xxhash.xxh3_64_intdigest(prev.to_bytes(8, "little") + _JSON.encode(message))
         hashes.append(prev)
     return hashes
-
-
-def _anchor(messages: Sequence[Message], num_cached: int) -> list[Message]:
-    """The cached messages the template must see again to render messages[num_cached:]."""
-    if num_cached == 0:
-        return []
-    if num_cached == 1:
-        return [messages[0]]
-    return [messages[0], messages[num_cached - 1]]

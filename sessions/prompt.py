@@ -66,12 +66,88 @@ class TurnPrompt(NamedTuple):
     is_incremental: bool
 
 
+def cut_ids_of(tokenizer: Any) -> list[int]:
+    """The cut ids of a ``gateway.tokenizer.Tokenizer``: its added tokens that strip nothing."""
+    added = tokenizer.backend.get_added_tokens_decoder()
+    return [i for i, t in added.items() if not (t.lstrip or t.rstrip)]
+
+
+class Pieces(NamedTuple):
+    body_ids: list[int]  # messages[k:] without the generation prompt
+    gen_ids: list[int]  # the generation prompt
+    rendered_chars: int  # characters the chat template rendered for them
+
+
+class PieceRenderer:
+    """Renders and tokenizes only ``messages[k:]``, given the stored ids of ``messages[:k]``
+    (the table above); shared by ``SessionPrompter`` and ``gateway.prompt_cache.PromptCache``.
+
+    Args:
+        cut_ids: added tokens that strip no whitespace; a cut between pieces must touch one.
+    """
+
+    def __init__(self, tokenizer: ChatTokenizer, cut_ids: Collection[int]) -> None:
+        self._tokenizer = tokenizer
+        self._cut_ids = frozenset(cut_ids)
+        self._suffixes: dict[tuple[bool, Any], str] = {}  # (has_tools, last role) -> gen prompt
+        self._unsafe_suffixes: set[tuple[bool, Any]] = set()
+
+    def pieces(
+        self, messages: Sequence[Message], tools: Tools, k: int, prefix_ids: Sequence[int]
+    ) -> Pieces | None:
+        """The ids of ``messages[k:]`` and of the generation prompt, or None where a prefix or
+        cut check fails (the caller renders in full)."""
+        render = self._tokenizer.apply_chat_template
+        anchor = _anchor(messages, k)
+        anchor_text = render(anchor, tools, add_generation_prompt=False) if anchor else ""
+        new = [*anchor, *messages[k:]]
+        has_new = k < len(messages)
+        body_text = render(new, tools, add_generation_prompt=False) if has_new else anchor_text
+        gen_text = body_text + self._generation_suffix(new, tools)
+        if not body_text.startswith(anchor_text):
+            return None
+        rendered_chars = len(gen_text) + len(body_text) * has_new + len(anchor_text)
+        body_ids = self._tokenizer.encode(body_text[len(anchor_text):])
+        gen_ids = self._tokenizer.encode(gen_text[len(body_text):])
+        if not self._are_safe_cuts([list(prefix_ids[-1:]), body_ids, gen_ids]):
+            return None
+        return Pieces(body_ids, gen_ids, rendered_chars)
+
+    def _generation_suffix(self, messages: Sequence[Message], tools: Tools) -> str:
+        """What ``add_generation_prompt=True`` appends to ``messages``' rendering.
+
+        NOTE: it depends on the template, the tools' presence and the last message's role only
+        (so it is rendered once per such key, saving a render per request); checked by rendering
+        both ways the first time, and a key where the check fails always renders both ways.
+        """
+        last = messages[-1] if messages else None
+        role = last.get("role") if isinstance(last, Mapping) else None
+        key = (bool(tools), role)
+        suffix = self._suffixes.get(key)
+        if suffix is not None:
+            return suffix
+        render = self._tokenizer.apply_chat_template
+        body = render(messages, tools, add_generation_prompt=False)
+        full = render(messages, tools, add_generation_prompt=True)
+        suffix = full[len(body):]
+        if full.startswith(body) and key not in self._unsafe_suffixes:
+            self._suffixes[key] = suffix
+        else:
+            self._unsafe_suffixes.add(key)
+        return suffix
+
+    def _are_safe_cuts(self, pieces: list[list[int]]) -> bool:
+        nonempty = [p for p in pieces if p]
+        pairs = zip(nonempty, nonempty[1:], strict=False)
+        return all(left[-1] in self._cut_ids or right[0] in self._cut_ids for left, right in pairs)
+
+
 class SessionPrompter:
     def __init__(
         self, tokenizer: ChatTokenizer, cut_ids: Collection[int], verify_first: int = 1
     ) -> None:
         self._tokenizer = tokenizer
-        self._cut_ids = frozenset(cut_ids)
+        self._pieces = PieceRenderer(tokenizer, cut_ids)
         self.verify_first = verify_first
         self._verified: dict[tuple[bool, bool], int] = {}
         self._unstable: set[bool] = set()  # has_tools values that always render in full
@@ -80,10 +156,7 @@ class SessionPrompter:
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, verify_first: int = 1) -> SessionPrompter:
-        """Cut ids from a ``gateway.tokenizer.Tokenizer``: its added tokens that strip nothing."""
-        added = tokenizer.backend.get_added_tokens_decoder()
-        cut_ids = [i for i, t in added.items() if not (t.lstrip or t.rstrip)]
-        return cls(tokenizer, cut_ids, verify_first)
+        return cls(tokenizer, cut_ids_of(tokenizer), verify_first)
 
     def render(
         self,
@@ -103,38 +176,16 @@ class SessionPrompter:
             num_covered, prefix_ids = 0, ()
         if has_tools in self._unstable or not messages:
             return self._full(messages, tools)
-        pieces = self._pieces(messages, tools, num_covered, prefix_ids)
+        pieces = self._pieces.pieces(messages, tools, num_covered, prefix_ids)
         if pieces is None:
             return self._full(messages, tools)
-        body_ids, gen_ids = pieces
+        body_ids, gen_ids, _ = pieces
         prefix = [*prefix_ids, *body_ids]
         token_ids = [*prefix, *gen_ids]
         if not self._check(has_tools, num_covered > 0, messages, tools, token_ids):
             return self._full(messages, tools)
         self.num_incremental += 1
         return TurnPrompt(token_ids, prefix, len(messages), len(prefix_ids), True)
-
-    def _pieces(
-        self, messages: Sequence[Message], tools: Tools, k: int, prefix_ids: Sequence[int]
-    ) -> tuple[list[int], list[int]] | None:
-        render = self._tokenizer.apply_chat_template
-        anchor = _anchor(messages, k)
-        anchor_text = render(anchor, tools, add_generation_prompt=False) if anchor else ""
-        new = [*anchor, *messages[k:]]
-        body_text = render(new, tools, add_generation_prompt=False)
-        gen_text = render(new, tools, add_generation_prompt=True)
-        if not (body_text.startswith(anchor_text) and gen_text.startswith(body_text)):
-            return None
-        body_ids = self._tokenizer.encode(body_text[len(anchor_text):])
-        gen_ids = self._tokenizer.encode(gen_text[len(body_text):])
-        if not self._are_safe_cuts([list(prefix_ids[-1:]), body_ids, gen_ids]):
-            return None
-        return body_ids, gen_ids
-
-    def _are_safe_cuts(self, pieces: list[list[int]]) -> bool:
-        nonempty = [p for p in pieces if p]
-        pairs = zip(nonempty, nonempty[1:], strict=False)
-        return all(left[-1] in self._cut_ids or right[0] in self._cut_ids for left, right in pairs)
 
     def _check(
         self,
