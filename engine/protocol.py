@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
 
 # NOTE: 2 added SamplingSpec.structured: a version-1 worker would silently ignore the grammar
-# (msgspec skips unknown fields), so the handshake must refuse the pair.
-PROTOCOL_VERSION = 2
+# (msgspec skips unknown fields), so the handshake must refuse the pair. 3 added
+# SamplingSpec.repetition_penalty / logit_bias (same reason) and the worker's instance_id.
+PROTOCOL_VERSION = 3
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 ErrorCode = Literal[
@@ -61,6 +62,8 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     logprobs: int | None = None
     structured: StructuredSpec | None = None
+    repetition_penalty: float = 1.0
+    logit_bias: list[tuple[int, float]] = []
 
     def to_params(self) -> SamplingParams:
         """The validated engine-side parameters.
@@ -83,6 +86,8 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs,
             structured=self.structured,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=tuple((int(t), float(b)) for t, b in self.logit_bias),
         )
 
 
@@ -150,10 +155,13 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True, kw_only=True):
     Attributes:
         sliding_window: W of the SWA layers; None for a model without SWA layers.
         max_context: the most tokens (prompt + output) one request may hold.
+        instance_id: new each time the worker process starts; a client that sees another one on
+            the same endpoint (a restart it did not notice) fails or retries its old requests.
     """
 
     version: int
     worker_id: str
+    instance_id: str
     model: str
     page_size: int
     sliding_window: int | None
@@ -212,9 +220,11 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True, kw_only=True):
             byte budget, so allocating one kind shrinks the other.
         used_bytes, total_bytes: the KV byte budget and what of it is in use (cache included).
         cached_pages: pages held by the prefix cache and not locked by a running request.
+        instance_id: as in ``Welcome`` (heartbeats answer with a ``LoadReport``).
     """
 
     worker_id: str
+    instance_id: str = ""
     num_running: int
     num_waiting: int
     free_full_pages: int

@@ -10,6 +10,8 @@ from typing import TypeGuard
 import msgspec
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # NOTE: OpenAI's bound on one logit_bias value
+MAX_LOGIT_BIAS_ENTRIES = 1024
 SEED_LIMIT = 2**63
 # NOTE: dividing logits by a temperature this small overflows float32 to inf (and softmax to NaN),
 # so anything below it is greedy, as in vLLM (_SAMPLING_EPS = 1e-5).
@@ -53,6 +55,11 @@ class SamplingParams:
         structured: a grammar the output must follow (None: unconstrained). Tokens the grammar
             does not allow next are masked (-inf) before sampling, greedy or not; once the
             grammar is complete only EOS is allowed, so the request ends with "stop".
+        repetition_penalty: > 0 and finite; 1 disables it. A token already in the prompt or the
+            output has its logit divided by it when positive, multiplied when negative (CTRL,
+            as vLLM and transformers do).
+        logit_bias: ``(token_id, bias)`` pairs added to the logits before sampling, bias in
+            [-100, 100], at most ``MAX_LOGIT_BIAS_ENTRIES`` pairs (OpenAI's ``logit_bias``).
 
     Raises:
         ValueError: naming the field and its allowed range when a value is out of range or of the
@@ -69,6 +76,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     structured: StructuredSpec | None = None
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         _require("max_new_tokens", self.max_new_tokens, "an int >= 1", _is_int_in(1, math.inf))
@@ -91,6 +100,11 @@ class SamplingParams:
             "None or a StructuredSpec with exactly one of json_schema, lark a non-empty str",
             _optional(_is_structured),
         )
+        _require("repetition_penalty", self.repetition_penalty, "a finite float > 0",
+                 lambda v: _is_real(v) and math.isfinite(v) and v > 0)
+        _require("logit_bias", self.logit_bias,
+                 f"a tuple of at most {MAX_LOGIT_BIAS_ENTRIES} (token_id >= 0, bias in "
+                 f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]) pairs", _is_logit_bias)
 
     @property
     def is_greedy(self) -> bool:
@@ -136,6 +150,18 @@ def _is_structured(value: object) -> bool:
         return False
     fields = (value.json_schema, value.lark)
     return sum(isinstance(f, str) and f != "" for f in fields) == 1 and fields.count(None) == 1
+
+
+def _is_logit_bias(value: object) -> bool:
+    return (
+        isinstance(value, tuple)
+        and len(value) <= MAX_LOGIT_BIAS_ENTRIES
+        and all(
+            isinstance(p, tuple) and len(p) == 2 and _is_int(p[0]) and p[0] >= 0
+            and _is_real(p[1]) and abs(p[1]) <= MAX_LOGIT_BIAS
+            for p in value
+        )
+    )
 
 
 def _optional(check: _Check) -> _Check:

@@ -45,6 +45,7 @@ import os
 import socket
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,7 @@ class Worker:
                  model_config: ModelConfig | None = None,
                  context: zmq.Context[Any] | None = None) -> None:
         self.cfg = cfg
+        self.instance_id = uuid.uuid4().hex  # NOTE: new per process start (see Welcome)
         self._ctx = context or zmq.Context.instance()
         self._init_engine(engine_cfg, model_config)
         self._init_sockets()
@@ -189,7 +191,7 @@ class Worker:
         e = self.engine
         path = e.cfg.model_path
         return Welcome(
-            version=PROTOCOL_VERSION, worker_id=self.cfg.worker_id,
+            version=PROTOCOL_VERSION, worker_id=self.cfg.worker_id, instance_id=self.instance_id,
             model=Path(path).name if path else "demo", page_size=e.cfg.page_size,
             sliding_window=e.model_config.sliding_window if e.kv.has_swa else None,
             max_context=e.model_config.max_position_embeddings,
@@ -386,7 +388,7 @@ class Worker:
         self._reply(identity, ErrorReply(request_id=request_id, code=code, message=text))
 
     def _load_report(self) -> LoadReport:
-        return load_report(self.cfg.worker_id, self.engine.stats())
+        return load_report(self.cfg.worker_id, self.engine.stats(), self.instance_id)
 
     def _publish(self) -> None:
         events = self._kv_events.drain()

@@ -113,10 +113,11 @@ class RequestStream:
         return min(self.seq.num_cached, len(self.seq.prompt_ids))
 
 
-def load_report(worker_id: str, stats: EngineStats) -> LoadReport:
+def load_report(worker_id: str, stats: EngineStats, instance_id: str = "") -> LoadReport:
     s = stats
     return LoadReport(
-        worker_id=worker_id, num_running=s.num_running, num_waiting=s.num_waiting,
+        worker_id=worker_id, instance_id=instance_id,
+        num_running=s.num_running, num_waiting=s.num_waiting,
         free_full_pages=s.free_full_pages, free_swa_pages=s.free_swa_pages,
         used_bytes=s.used_bytes, total_bytes=s.total_bytes, cached_pages=s.cached_pages,
     )

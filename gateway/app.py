@@ -37,6 +37,11 @@ class GatewayConfig:
     model_dir: tokenizer files + config.json (its ``max_position_embeddings`` is the context).
     workers: the workers' ROUTER endpoints (``tcp://host:port``); at least one.
     model_name: the id in ``/v1/models`` and responses (default: ``model_dir``'s name).
+    served_model_names: every name the model answers to (``--served-model-name``, repeatable);
+        the first is the one in responses. Empty: ``(model_name or model_dir.name,)``.
+    cors_origins: origins allowed by CORS (``--cors-origin``); empty: no CORS headers.
+    tenant_secret: the per-deployment key of the tenant-id hash (``gateway.tenancy``), so that
+        weak API keys cannot be guessed offline from store keys; None: a fixed domain key.
     max_body_bytes: larger request bodies get 413.
     redis_url: the Redis session store (``redis://host:port/db``); None keeps sessions in memory.
     max_sessions: the memory store's bound (least recently used evicted first).
@@ -53,6 +58,9 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     model_name: str | None = None
+    served_model_names: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+    tenant_secret: bytes | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     redis_url: str | None = None
     max_sessions: int = 10_000

@@ -68,13 +68,15 @@ def _make_worker_msgs() -> list[WorkerMsg]:
         Welcome(
             version=PROTOCOL_VERSION,
             worker_id="w-0",
+            instance_id="9f1c",
             model="mimo",
             page_size=16,
             sliding_window=128,
             max_context=32768,
         ),
         Welcome(
-            version=1, worker_id="w", model="m", page_size=4, sliding_window=None, max_context=8
+            version=1, worker_id="w", instance_id="i", model="m", page_size=4,
+            sliding_window=None, max_context=8,
         ),
         TokenDelta(request_id="req-1", token_ids=[9, 10], cached_tokens=16),
         TokenDelta(

@@ -39,7 +39,9 @@ from tests.engine.worker_harness import (
 def test_hello_is_answered_with_the_workers_geometry(client: Client) -> None:
     client.send(Hello(version=PROTOCOL_VERSION, client_id="t"))
     welcome = client.recv()
-    assert welcome == Welcome(version=PROTOCOL_VERSION, worker_id="sim-test", model="demo",
+    assert isinstance(welcome, Welcome) and len(welcome.instance_id) == 32
+    assert welcome == Welcome(version=PROTOCOL_VERSION, worker_id="sim-test",
+                              instance_id=welcome.instance_id, model="demo",
                               page_size=PAGE, sliding_window=WINDOW, max_context=8192)
 
 
