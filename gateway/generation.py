@@ -10,6 +10,11 @@ gives before any token (``context_too_long``, ``overloaded``, no worker) still b
 status even for a streamed request. Leaving a stream early (the client went away) aborts the
 worker request. NOTE: invariant: for any split into deltas, a streamed answer's content deltas
 concatenate to the non-streamed ``content``, with the same tool calls.
+
+A matched stop string ends the worker request at once (``pieces`` aborts it): the answer's
+tokens, ``usage.completion_tokens`` and logprobs end with the token that completed the match, and
+the finish reason is "stop". Without stop strings a worker's delta is decoded in one go; with
+them, token by token, to find that token.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from engine.protocol import Finished, Generate, SamplingSpec, TokenDelta
 from gateway.dispatch import Dispatcher, StreamItem
 from gateway.lifespan import ModelState
 from gateway.logprobs import TokenTexts, chat_logprobs
+from gateway.metrics import StreamStats
 from gateway.schemas import (
     ChunkDelta,
     FunctionCall,
@@ -67,11 +73,21 @@ class OutputOptions(NamedTuple):
 
 @dataclass(slots=True)
 class Started:
-    """A worker request whose first item has arrived; iterate ``items()`` once."""
+    """A worker request whose first item has arrived; iterate ``items()`` once.
+
+    ``num_prompt_tokens`` and ``stats`` are for an answer that ends before the worker's
+    ``Finished`` (a stop string matched): its usage, and the dispatcher's token counters.
+    """
 
     request_id: str
     first: StreamItem
     stream: AsyncIterator[StreamItem]
+    num_prompt_tokens: int = 0
+    stats: StreamStats | None = None
+
+    def with_stream(self, stream: AsyncIterator[StreamItem]) -> Started:
+        """The same request read through ``stream`` (which wraps ``self.stream``)."""
+        return Started(self.request_id, self.first, stream, self.num_prompt_tokens, self.stats)
 
     async def items(self) -> AsyncIterator[StreamItem]:
         yield self.first
@@ -154,16 +170,22 @@ async def start(dispatcher: Dispatcher, generate: Generate) -> Started:
     except BaseException:
         await stream.aclose()  # type: ignore[attr-defined]
         raise
-    return Started(generate.request_id, first, stream)
+    return Started(generate.request_id, first, stream, len(generate.input_ids), dispatcher.stats)
 
 
 async def pieces(
     started: Started, model: ModelState, stop_strings: Sequence[str]
 ) -> AsyncIterator[Piece | Finished]:
-    """Text pieces (stop strings applied), then the worker's ``Finished`` (its
-    ``finish_reason`` is "stop" when a stop string cut the text). Closes the stream on exit."""
+    """Text pieces (stop strings applied), then a ``Finished`` (its ``finish_reason`` is "stop"
+    when a stop string cut the text). Closes the stream on exit.
+
+    A stop string matched in a worker's delta ends the worker request there (``Abort``) and the
+    ``Finished`` is made here: ``completion_tokens`` counts the tokens up to and including the
+    one that completed the match, and the last piece holds only those tokens.
+    """
     decoder = StreamDecoder(model.tokenizer, skip_special_tokens=True)
     stop = StopMatcher(stop_strings)
+    num_tokens = 0
     try:
         async for item in started.items():
             if isinstance(item, Finished):
@@ -174,7 +196,17 @@ async def pieces(
                     item = _with_reason(item, "stop")
                 yield item
                 return
-            yield _piece(item, stop.feed(decoder.feed_many(item.token_ids)))
+            if not stop.stops:
+                yield _piece(item, decoder.feed_many(item.token_ids))
+                continue
+            piece = _cut_at_stop(item, decoder, stop)
+            num_tokens += len(piece.token_ids)
+            if stop.stopped:
+                await started.aclose()  # NOTE: sends Abort before anything else is awaited
+                yield piece
+                yield _stopped(started, num_tokens)
+                return
+            yield piece
     finally:
         await started.aclose()
 
@@ -244,40 +276,121 @@ def usage_of(item: Finished) -> Usage:
 
 
 class StopMatcher:
-    """Cuts text at the first stop string; holds back what could be the start of one."""
+    """Cuts text at the first stop string to complete; holds back what could start one.
+
+    The cut is where the stop string that completes earliest begins (of two completing at the
+    same character, the longer), the same for any split of the text into ``feed`` calls. Text
+    that cannot be the start of a stop string is passed on at once.
+
+    NOTE: cost: a KMP automaton per stop string, so each fed character costs amortized O(1) per
+    stop string, and memory is the held-back tail (under ``max(map(len, stops))`` characters):
+    both independent of how much text came before. Building it is linear in the stops' length.
+    """
 
     def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = list(stops)
+        self.stops = [s for s in dict.fromkeys(stops) if s]  # NOTE: "" never matches (a 400)
         self.stopped = False
+        self._failure = [_failure(s) for s in self.stops]
+        self._states = [0] * len(self.stops)  # longest prefix of stop i ending the text so far
         self._held = ""
 
     def feed(self, text: str) -> str:
+        """The part of ``text`` (and of the held-back tail) that is final; "" once stopped."""
         if self.stopped or not self.stops:
             return "" if self.stopped else text
-        text = self._held + text
-        cuts = [i for s in self.stops if (i := text.find(s)) >= 0]
-        if cuts:
+        buf = self._held + text
+        cut: tuple[int, int] | None = None  # (match end in text, -length of the stop)
+        for i, stop in enumerate(self.stops):
+            state, end = _scan(stop, self._failure[i], self._states[i], text)
+            self._states[i] = state
+            if end >= 0 and (cut is None or (end, -len(stop)) < cut):
+                cut = (end, -len(stop))
+        if cut is not None:
+            end, minus_len = cut
             self.stopped, self._held = True, ""
-            return text[: min(cuts)]
-        keep = max(len(s) - 1 for s in self.stops)
-        emit = len(text) - keep
-        while emit < len(text) and not any(s.startswith(text[max(emit, 0):]) for s in self.stops):
-            emit += 1
-        emit = max(emit, 0)
-        self._held = text[emit:]
-        return text[:emit]
+            return buf[: len(buf) - len(text) + end + minus_len]
+        keep = max(self._states)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[: len(buf) - keep]
 
     def flush(self) -> str:
+        """What is held back, at the end of the text ("" once stopped)."""
         held, self._held = self._held, ""
+        self._states = [0] * len(self.stops)
         return "" if self.stopped else held
+
+
+def _failure(stop: str) -> list[int]:
+    """KMP: ``out[i]`` is the length of the longest proper prefix of ``stop[:i + 1]`` that is
+    also its suffix."""
+    out = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = out[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        out[i] = k
+    return out
+
+
+def _scan(stop: str, failure: list[int], state: int, text: str) -> tuple[int, int]:
+    """Run ``stop``'s automaton from ``state`` over ``text``: (the state after, the end index in
+    ``text`` of the first match or -1). The state is how much of ``stop`` ends the text."""
+    i, n, m, first = 0, len(text), len(stop), stop[0]
+    while i < n:
+        if state == 0:  # NOTE: fast path: nothing can start before the next first character
+            i = text.find(first, i)
+            if i < 0:
+                return 0, -1
+        char = text[i]
+        while state and stop[state] != char:
+            state = failure[state - 1]
+        if stop[state] == char:
+            state += 1
+        i += 1
+        if state == m:
+            return state, i
+    return state, -1
 
 
 def _with_reason(item: Finished, reason: str) -> Finished:
     return msgspec.structs.replace(item, finish_reason=reason)
 
 
-def _piece(item: TokenDelta, text: str) -> Piece:
-    return Piece(text, item.token_ids, item.logprobs, item.top_logprobs)
+def _piece(item: TokenDelta, text: str, num_tokens: int | None = None) -> Piece:
+    """The piece of ``item``'s first ``num_tokens`` tokens (all when None)."""
+    if num_tokens is None or num_tokens == len(item.token_ids):
+        return Piece(text, item.token_ids, item.logprobs, item.top_logprobs)
+    cut = slice(0, num_tokens)
+    return Piece(
+        text, item.token_ids[cut], None if item.logprobs is None else item.logprobs[cut],
+        None if item.top_logprobs is None else item.top_logprobs[cut],
+    )
+
+
+def _cut_at_stop(item: TokenDelta, decoder: StreamDecoder, stop: StopMatcher) -> Piece:
+    """``item``'s piece, up to and including the token that completes a stop string."""
+    texts = []
+    for n, token_id in enumerate(item.token_ids, 1):
+        texts.append(stop.feed(decoder.feed(token_id)))
+        if stop.stopped:
+            return _piece(item, "".join(texts), n)
+    return _piece(item, "".join(texts))
+
+
+def _stopped(started: Started, num_tokens: int) -> Finished:
+    """The ``Finished`` of a request ended by a stop string (the worker's never comes)."""
+    first = started.first
+    cached = first.cached_tokens if isinstance(first, TokenDelta) else 0
+    finished = Finished(
+        request_id=started.request_id, finish_reason="stop",
+        prompt_tokens=started.num_prompt_tokens, completion_tokens=num_tokens,
+        cached_tokens=cached,
+    )
+    if started.stats is not None:
+        started.stats.finished(finished)
+    return finished
 
 
 def _take(pending: list[TokenLogprob], wanted: bool) -> list[TokenLogprob] | None:
