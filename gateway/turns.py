@@ -9,13 +9,26 @@
         end = await turn.close()            # record the turn, release the session
 
 What ``close`` records is what the client saw. A turn cut short (a cancel frame, the client went
-away) is kept, with finish_reason "cancelled", the content streamed so far and its token counts;
-tool calls are dropped from a cancelled answer (their arguments may be cut), so no tool result is
-ever owed for them. A turn whose worker failed records nothing: the session stays as it was and
-the client can send the same turn again.
+away) is kept, with finish_reason "cancelled", the content streamed so far (``content: null``
+when there was none) and its token counts; tool calls are dropped from a cancelled answer (their
+arguments may be cut), so no tool result is ever owed for them. A turn whose worker failed
+records nothing: the session stays as it was and the client can send the same turn again.
+
+While a turn runs, a background task renews its lease on the session (``SessionManager``: a short
+lease, so a crashed gateway's turn blocks the session only briefly). ``close`` stops it, then
+records (the manager retries an unavailable store for a while); ``close`` raises
+``StoreUnavailable`` when the store stayed away, and every transport answers that with a 503
+error (an ``error`` frame once streaming has begun).
+
+Inputs are bounded cheaply before any rendering: text that cannot fit the context even at the
+tokenizer's longest token is a 400 ``context_length_exceeded`` at once, and large inputs are
+rendered and tokenized on a thread, so the event loop keeps serving everyone else.
 """
 
 import asyncio
+import contextlib
+import functools
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -41,14 +54,20 @@ from gateway.schemas import (
     FunctionCall,
     RequestError,
     ResponseMessage,
+    Tool,
     ToolCall,
     Usage,
 )
 from gateway.schemas.sessions import TurnEnd, TurnParams, turn_sampling_spec
+from gateway.structured import StructuredError, tool_call_grammar
 from gateway.tenancy import cache_salt
-from sessions import Message, Session, TurnPrompt, TurnRecord, TurnUsage
+from sessions import Message, Session, StoreUnavailable, TurnPrompt, TurnRecord, TurnUsage
+
+logger = logging.getLogger(__name__)
 
 CANCELLED = "cancelled"
+RENDER_ON_THREAD_CHARS = 32 * 1024  # NOTE: below this a render takes ~ms: a thread costs more
+MAX_LEASE_RENEWAL_S = 3600.0  # NOTE: a Turn leaked unclosed cannot hold its session forever
 
 
 async def begin_turn(
@@ -67,10 +86,12 @@ async def begin_turn(
     """
     t0, started_at = time.perf_counter(), time.time()
     new = [message_dict(m) for m in req.messages]
+    check_fits(ctx, model, new)
     request_id = new_request_id("turn")
     session = await ctx.manager.begin_turn(tenant, session_id, new, request_id)
+    lease = _LeaseKeeper(ctx, session)
     try:
-        prompt = _render(ctx, session, new)
+        prompt = await _render(ctx, session, new)
         left = check_context(model, len(prompt.token_ids), "messages")
         spec = turn_sampling_spec(
             req, tools=session.tools, default_max_tokens=left,
@@ -84,11 +105,81 @@ async def begin_turn(
             retain_ttl_s=ctx.retain_ttl_s if session.tools else None,
         )
     except BaseException:
-        await ctx.manager.abort_turn(session)
+        await lease.stop()
+        with contextlib.suppress(StoreUnavailable):  # NOTE: the lease expires by itself
+            await ctx.manager.abort_turn(session)
         raise
     parse_tools = bool(session.tools) and req.tool_choice != "none"
     opts = OutputOptions(req.stop_strings, parse_tools=parse_tools)
-    return Turn(ctx, model, dispatcher, session, new, prompt, generate, opts, t0, started_at)
+    turn = Turn(ctx, model, dispatcher, session, new, prompt, generate, opts, t0, started_at)
+    turn.lease = lease
+    return turn
+
+
+async def check_new_session(
+    ctx: SessionsState,
+    model: ModelState,
+    system: str | None,
+    tools: list[Tool] | None,
+    messages: list[Message],
+) -> None:
+    """What a session must pass before it is stored: every tool's parameters compile as a
+    constraint (as a forced call would need), and its history fits the context with room to
+    answer. Large histories and schemas are checked on a thread.
+
+    Raises:
+        RequestError: ``tools[i].function.parameters``; 400 ``context_length_exceeded`` naming
+            ``messages``.
+    """
+    if tools:
+        await asyncio.to_thread(_check_tool_schemas, tools)
+    if not messages:
+        return
+    head = [] if system is None else [{"role": "system", "content": system}]
+    history = [*head, *messages]
+    check_fits(ctx, model, history)
+    tool_dicts = msgspec.to_builtins(tools) if tools else None
+    encode = functools.partial(model.tokenizer.encode_chat, history, tool_dicts)
+    try:
+        if sum(message_chars(m) for m in history) < RENDER_ON_THREAD_CHARS:
+            ids = encode()
+        else:
+            ids = await asyncio.to_thread(encode)
+    except (jinja2.TemplateError, ValueError, TypeError) as exc:
+        raise RequestError(f"messages could not be rendered: {exc}", param="messages") from None
+    check_context(model, len(ids), "messages")
+
+
+def check_fits(ctx: SessionsState, model: ModelState, messages: Sequence[Message]) -> None:
+    """Cheap bound, before any rendering: ``messages`` whose text alone needs more tokens than
+    the context holds (at the tokenizer's longest token) can never fit.
+
+    Raises:
+        RequestError: 400 ``context_length_exceeded`` naming ``messages``.
+    """
+    chars = sum(message_chars(m) for m in messages)
+    min_tokens = chars // ctx.max_token_chars
+    if min_tokens >= model.max_context:
+        raise RequestError(
+            f"The messages hold {chars} characters, at least {min_tokens} tokens; this model's "
+            f"context is {model.max_context} tokens.", param="messages",
+            code="context_length_exceeded",
+        )
+
+
+def message_chars(message: Message) -> int:
+    """The characters of a message's text (content, text parts, tool-call arguments)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        chars = len(content)
+    elif isinstance(content, list):
+        chars = sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+    else:
+        chars = 0
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        chars += len(function.get("arguments") or "") + len(function.get("name") or "")
+    return chars
 
 
 class Turn:
@@ -118,6 +209,7 @@ class Turn:
         self._end: ChatEnd | None = None
         self._failed = False
         self._closing: asyncio.Task[TurnEnd | None] | None = None
+        self.lease: _LeaseKeeper | None = None  # set by begin_turn; stopped by close
 
     @property
     def index(self) -> int:
@@ -156,6 +248,10 @@ class Turn:
     async def close(self) -> TurnEnd | None:
         """Record the turn and release the session (idempotent); None if the worker failed.
 
+        Raises:
+            StoreUnavailable: the store stayed unavailable through the manager's retries
+                (nothing recorded; the lease expires by itself).
+
         NOTE: the store write runs in its own task, shielded: a request being torn down (the
         client went away, its cancel scope fires at every await) still records the turn."""
         if self._closing is None:
@@ -165,6 +261,8 @@ class Turn:
         return await asyncio.shield(self._closing)
 
     async def _record(self) -> TurnEnd | None:
+        if self.lease is not None:
+            await self.lease.stop()
         if self._failed:
             await self._ctx.manager.abort_turn(self.session)
             return None
@@ -195,7 +293,7 @@ class Turn:
             usage = Usage.of(
                 len(self.generate.input_ids), tally.completion_tokens, tally.cached_tokens
             )
-            return ResponseMessage(content=content), CANCELLED, usage
+            return ResponseMessage(content=content or None), CANCELLED, usage
         calls = [
             ToolCall(id=p[0], function=FunctionCall(name=p[1], arguments="".join(p[2:])))
             for _, p in sorted(self._calls.items())
@@ -234,7 +332,7 @@ class _Tally:
         self._see(started.first)
         if not isinstance(started.first, TokenDelta):
             return started  # NOTE: already Finished: nothing more to count
-        return Started(started.request_id, started.first, self._counted(started.stream))
+        return started.with_stream(self._counted(started.stream))
 
     async def _counted(self, stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
         try:
@@ -253,18 +351,60 @@ class _Tally:
         self.completion_tokens += len(item.token_ids)
 
 
-def _render(ctx: SessionsState, session: Session, new: Sequence[Message]) -> TurnPrompt:
+class _LeaseKeeper:
+    """Renews a running turn's lease every ``manager.renew_every_s`` until ``stop``."""
+
+    def __init__(self, ctx: SessionsState, session: Session) -> None:
+        self._manager, self._session = ctx.manager, session
+        self._task = asyncio.create_task(self._renew())
+        ctx.leases.add(self._task)
+        self._task.add_done_callback(ctx.leases.discard)
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _renew(self) -> None:
+        deadline = time.monotonic() + MAX_LEASE_RENEWAL_S
+        session = self._session
+        while time.monotonic() < deadline:
+            await asyncio.sleep(self._manager.renew_every_s)
+            try:
+                if not await self._manager.renew_turn(session):
+                    logger.warning("turn %s lost its lease on session %s (taken over or "
+                                   "deleted)", session.running.request_id, session.id)  # type: ignore[union-attr]
+                    return
+            except StoreUnavailable as exc:
+                logger.warning("could not renew the lease of session %s: %s", session.id, exc)
+
+
+async def _render(ctx: SessionsState, session: Session, new: Sequence[Message]) -> TurnPrompt:
     messages = [*session.rendered_messages(), *new]
+    uncovered = messages[session.prompt_num_messages:] if session.prompt_ids else messages
+    render = functools.partial(
+        ctx.prompter.render, messages, session.tools, session.prompt_ids,
+        session.prompt_num_messages,
+    )
     try:
-        return ctx.prompter.render(
-            messages, session.tools, session.prompt_ids, session.prompt_num_messages
-        )
+        if sum(message_chars(m) for m in uncovered) < RENDER_ON_THREAD_CHARS:
+            return render()
+        # NOTE: the prompter's state is caches of idempotent facts (dict writes, atomic under
+        # the GIL), so a render on a thread beside one on the loop is safe
+        return await asyncio.to_thread(render)
     except (jinja2.TemplateError, ValueError, TypeError) as exc:
         raise RequestError(f"messages could not be rendered: {exc}", param="messages") from None
 
 
+def _check_tool_schemas(tools: list[Tool]) -> None:
+    for i, tool in enumerate(tools):
+        try:
+            tool_call_grammar([(i, tool)], parallel=False)
+        except StructuredError as exc:
+            raise RequestError(str(exc), param=exc.param) from None
+
+
 def _assistant_dict(message: ResponseMessage) -> Message:
-    out: Message = {"role": "assistant", "content": message.content or ""}
+    out: Message = {"role": "assistant", "content": message.content}
     if message.tool_calls:
         out["tool_calls"] = msgspec.to_builtins(message.tool_calls)
     return out

@@ -7,6 +7,7 @@ these to statuses once (``gateway/controllers/sessions.py``).
     | InvalidMessages     | appended messages break the conversation's rules    | 400  |
     | TurnInProgress      | the session is running another turn                | 409  |
     | VersionConflict     | a compare-and-set lost against a concurrent writer  | 409  |
+    | SessionTooLarge     | the session would exceed the store's byte bound     | 413  |
     | StoreUnavailable    | the store cannot be reached                         | 503  |
 """
 
@@ -58,5 +59,15 @@ class VersionConflict(SessionError):
         self.found = found
 
 
+class SessionTooLarge(SessionError):
+    code = "session_too_large"
+
+    def __init__(self, session_id: str, size_bytes: int, max_bytes: int) -> None:
+        super().__init__(
+            f"Session '{session_id}' would take {size_bytes} bytes; the session store keeps at "
+            f"most {max_bytes} bytes per session.", param="messages",
+        )
+
+
 class StoreUnavailable(SessionError):
-    code = "store_unavailable"
+    code = "service_unavailable"

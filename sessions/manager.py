@@ -5,32 +5,45 @@ owns rendering and generation.
 A turn's life, each step one compare-and-set:
 
     begin_turn:  check the appended messages, claim the session (``running`` = a lease)
+    renew_turn:  push the lease's expiry ``turn_lease_s`` ahead (every ``renew_every_s`` while
+                 the turn runs: the gateway's ``Turn`` does it in a background task)
     finish_turn: append the client's messages + the assistant message + a TurnRecord, store
                  the new prompt ids, release the lease
     abort_turn:  release the lease, append nothing (the turn failed before it could answer)
 
-A second ``begin_turn`` while a lease is live raises ``TurnInProgress`` (409); a lease outlives
-its gateway only until ``turn_lease_s`` (then another turn may take the session over, and the
-late ``finish_turn`` is dropped).
+A second ``begin_turn`` while a lease is live raises ``TurnInProgress`` (409). The lease is
+short (``turn_lease_s``, 20 s) and renewed while its turn runs, so a lease whose gateway died
+(or lost its store) expires soon; then a new turn takes the session over. Renew, finish and
+abort are compare-and-sets on the lease's ``request_id`` (its token): a stale owner never
+clobbers a newer turn, its late write is dropped. Finish and abort retry a store that is
+unavailable, with backoff, for up to ``write_retry_s`` (a short Redis outage or freeze loses
+no answer) before ``StoreUnavailable`` reaches the caller; the lease then expires by itself.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from sessions.errors import SessionNotFound, TurnInProgress, VersionConflict
-from sessions.model import Message, Session, TurnLease, TurnRecord, new_session
+from sessions.errors import SessionNotFound, StoreUnavailable, TurnInProgress, VersionConflict
+from sessions.model import Message, Session, SessionPage, TurnLease, TurnRecord, new_session
 from sessions.store import SessionStore
 from sessions.tools import HISTORY_ROLES, check_appended
 
-DEFAULT_TURN_LEASE_S = 600.0
+logger = logging.getLogger(__name__)
+
+DEFAULT_TURN_LEASE_S = 20.0
+DEFAULT_WRITE_RETRY_S = 12.0
 _MAX_CAS_ATTEMPTS = 5
+_FIRST_BACKOFF_S = 0.1
+_MAX_BACKOFF_S = 2.0
 
 
 @dataclass(slots=True)
@@ -43,6 +56,8 @@ class SessionStats:
     turns_in_progress: int = 0  # begin_turn refused: another turn holds the session (409)
     turns_aborted: int = 0  # released without recording (the worker failed)
     turns_dropped: int = 0  # finished, but the session was deleted or taken over meanwhile
+    turns_taken_over: int = 0  # begin_turn claimed a session whose lease had expired
+    turns_unrecorded: int = 0  # the store stayed unavailable past the write retries
     turns_finished: Counter[str] = field(default_factory=Counter)  # by finish_reason
 
 
@@ -52,11 +67,13 @@ class SessionManager:
         store: SessionStore,
         *,
         turn_lease_s: float = DEFAULT_TURN_LEASE_S,
+        write_retry_s: float = DEFAULT_WRITE_RETRY_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        assert turn_lease_s > 0, f"{turn_lease_s=}: must be > 0"
+        assert turn_lease_s > 0 and write_retry_s >= 0, f"{turn_lease_s=}, {write_retry_s=}"
         self.store = store
         self.turn_lease_s = turn_lease_s
+        self.write_retry_s = write_retry_s
         self.stats = SessionStats()
         self._clock = clock
 
@@ -95,6 +112,14 @@ class SessionManager:
             raise SessionNotFound(session_id)
         self.stats.deleted += 1
 
+    async def list(self, tenant: str, after: str | None, limit: int) -> SessionPage:
+        """A page of the tenant's sessions (``SessionStore.list``)."""
+        return await self.store.list(tenant, after, limit)
+
+    @property
+    def renew_every_s(self) -> float:
+        """How often a running turn renews its lease: three tries before it could expire."""
+        return self.turn_lease_s / 3
     async def begin_turn(
         self, tenant: str, session_id: str, new: Sequence[Message], request_id: str
     ) -> Session:
@@ -117,8 +142,27 @@ class SessionManager:
         except VersionConflict:
             self.stats.turns_in_progress += 1
             raise TurnInProgress(session_id) from None
+        if session.running is not None:
+            logger.warning("turn %s takes over session %s from %s (its lease expired)",
+                           request_id, session_id, session.running.request_id)
+            self.stats.turns_taken_over += 1
         self.stats.turns_started += 1
         return claimed
+
+    async def renew_turn(self, session: Session) -> bool:
+        """Push the lease of the turn ``begin_turn`` returned ``session`` for ``turn_lease_s``
+        ahead. False: the lease is lost (the session was deleted, or another turn took it over
+        after it expired). One try: ``StoreUnavailable`` propagates (the caller tries again at
+        its next tick, while the lease has not expired).
+        """
+        assert session.running is not None
+        lease = TurnLease(
+            request_id=session.running.request_id, expires_at=self._clock() + self.turn_lease_s
+        )
+        renewed = await self._update_leased(
+            session, lambda s: msgspec.structs.replace(s, running=lease)
+        )
+        return renewed is not None
 
     async def finish_turn(
         self,
@@ -135,6 +179,10 @@ class SessionManager:
         render of the first ``num_prefix_messages`` rendered messages) become the stored prompt
         ids. Returns None (nothing recorded) when the session was deleted meanwhile or its lease
         was taken over.
+
+        Raises:
+            StoreUnavailable: still unavailable after ``write_retry_s`` of retries.
+            SessionTooLarge: the session with this turn would exceed the store's byte bound.
         """
         assert session.running is not None, "finish_turn needs the session begin_turn returned"
 
@@ -149,7 +197,11 @@ class SessionManager:
                 updated_at=self._clock(),
             )
 
-        recorded = await self._update_leased(session, update)
+        try:
+            recorded = await self._retrying(lambda: self._update_leased(session, update))
+        except StoreUnavailable:
+            self.stats.turns_unrecorded += 1
+            raise
         if recorded is None:
             self.stats.turns_dropped += 1
         else:
@@ -157,9 +209,30 @@ class SessionManager:
         return recorded
 
     async def abort_turn(self, session: Session) -> None:
-        """Release the lease of a turn that records nothing (it failed before answering)."""
+        """Release the lease of a turn that records nothing (it failed before answering).
+
+        Raises:
+            StoreUnavailable: still unavailable after ``write_retry_s`` of retries (the lease
+                then expires by itself).
+        """
         self.stats.turns_aborted += 1
-        await self._update_leased(session, lambda s: msgspec.structs.replace(s, running=None))
+        await self._retrying(lambda: self._update_leased(session, _released))
+
+    async def _retrying(self, write: Callable[[], Awaitable[Session | None]]) -> Session | None:
+        """``write()``, tried again while the store is unavailable, with exponential backoff,
+        until ``write_retry_s`` has passed."""
+        deadline = time.monotonic() + self.write_retry_s
+        backoff_s = _FIRST_BACKOFF_S
+        while True:
+            try:
+                return await write()
+            except StoreUnavailable as exc:
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    raise
+                logger.warning("session store unavailable, retrying a turn's write: %s", exc)
+                await asyncio.sleep(min(backoff_s, left_s))
+                backoff_s = min(2 * backoff_s, _MAX_BACKOFF_S)
 
     async def _update_leased(
         self, session: Session, update: Callable[[Session], Session]
@@ -179,3 +252,7 @@ class SessionManager:
             except VersionConflict:
                 continue
         return None
+
+
+def _released(session: Session) -> Session:
+    return msgspec.structs.replace(session, running=None)

@@ -68,6 +68,27 @@ class TurnLease(msgspec.Struct, frozen=True, kw_only=True):
     expires_at: float
 
 
+class SessionSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``GET /v1/sessions`` lists of a session (no messages: a page stays small)."""
+
+    id: str
+    model: str
+    metadata: dict[str, str] = {}
+    num_messages: int = 0
+    num_turns: int = 0
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    running: TurnLease | None = None
+
+
+class SessionPage(msgspec.Struct, frozen=True, kw_only=True):
+    """One page of a tenant's sessions, ordered by id; ``has_more``: a next page exists
+    (ask for it with ``after`` = the last id here)."""
+
+    data: list[SessionSummary]
+    has_more: bool
+
+
 class Session(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     tenant: str
@@ -91,6 +112,13 @@ class Session(msgspec.Struct, frozen=True, kw_only=True):
 
     def is_running(self, now: float) -> bool:
         return self.running is not None and self.running.expires_at > now
+
+    def summary(self) -> SessionSummary:
+        return SessionSummary(
+            id=self.id, model=self.model, metadata=self.metadata,
+            num_messages=len(self.messages), num_turns=len(self.turns),
+            created_at=self.created_at, updated_at=self.updated_at, running=self.running,
+        )
 
 
 def new_session_id() -> str:

@@ -2,13 +2,21 @@
 across restarts. One hash per session, ``{prefix}{tenant}:{id}`` -> ``{v: version, d: msgpack
 Session}``, with a key TTL (the idle TTL) refreshed on every read and write, so abandoned
 sessions go away by themselves. Compare-and-set is a Lua script (atomic on the server); it needs
-nothing beyond a plain Redis (>= 2.6; also fine on a Redis Cluster: one key per script).
+nothing beyond a plain Redis (>= 2.6; also fine on a Redis Cluster: one key per script). The hash
+also holds ``m``, the msgpack ``SessionSummary`` that ``list`` reads, so a page never decodes
+whole sessions.
+
+A tenant's sessions are listed from an index, a sorted set ``{prefix}@index:{tenant}`` of ids
+(all scored 0, so ``ZRANGEBYLEX`` pages them by id), kept beside the sessions: added on create,
+removed on delete, its TTL refreshed on every write; ids whose session expired are dropped when
+a listing meets them. A session is at most ``max_session_bytes`` encoded (``SessionTooLarge``).
 
 Every Redis failure surfaces as ``StoreUnavailable``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import urllib.parse
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,27 +25,36 @@ import msgspec
 from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 
-from sessions.errors import SessionNotFound, StoreUnavailable, VersionConflict
-from sessions.model import Session
-from sessions.store import decode_session, encode_session
+from sessions.errors import SessionNotFound, SessionTooLarge, StoreUnavailable, VersionConflict
+from sessions.model import Session, SessionPage, SessionSummary
+from sessions.store import (
+    DEFAULT_MAX_SESSION_BYTES,
+    MAX_PAGE_SIZE,
+    decode_session,
+    encode_session,
+)
 
 DEFAULT_PREFIX = "agentgate:session:"
 CONNECT_TIMEOUT_S = 5.0
+PING_TIMEOUT_S = 2.0
+_MAX_LIST_ROUNDS = 8  # NOTE: each round drops the expired ids it met; bounds a listing's work
+_SUMMARY_ENCODER = msgspec.msgpack.Encoder()
+_SUMMARY_DECODER = msgspec.msgpack.Decoder(SessionSummary)
 
-# KEYS[1] = key; ARGV = version, data, ttl_ms. 1 = created, 0 = exists.
+# KEYS[1] = key; ARGV = version, data, ttl_ms, summary. 1 = created, 0 = exists.
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'v', ARGV[1], 'd', ARGV[2])
+redis.call('HSET', KEYS[1], 'v', ARGV[1], 'd', ARGV[2], 'm', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
-# KEYS[1] = key; ARGV = expected version, new version, data, ttl_ms.
+# KEYS[1] = key; ARGV = expected version, new version, data, ttl_ms, summary.
 # Returns 1 = written, -1 = missing, or the stored version (a string) on a mismatch.
 _PUT = """
 local v = redis.call('HGET', KEYS[1], 'v')
 if not v then return -1 end
 if v ~= ARGV[1] then return v end
-redis.call('HSET', KEYS[1], 'v', ARGV[2], 'd', ARGV[3])
+redis.call('HSET', KEYS[1], 'v', ARGV[2], 'd', ARGV[3], 'm', ARGV[5])
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return 1
 """
@@ -56,12 +73,18 @@ class RedisSessionStore:
     """
 
     def __init__(
-        self, client: aioredis.Redis, idle_ttl_s: float = 3600.0, prefix: str = DEFAULT_PREFIX
+        self,
+        client: aioredis.Redis,
+        idle_ttl_s: float = 3600.0,
+        prefix: str = DEFAULT_PREFIX,
+        *,
+        max_session_bytes: int = DEFAULT_MAX_SESSION_BYTES,
     ) -> None:
-        assert idle_ttl_s > 0, f"{idle_ttl_s=}: must be > 0"
+        assert idle_ttl_s > 0 and max_session_bytes > 0, f"{idle_ttl_s=}, {max_session_bytes=}"
         self.client = client
         self.idle_ttl_s = idle_ttl_s
         self.prefix = prefix
+        self.max_session_bytes = max_session_bytes
         self._ttl_ms = max(1, round(idle_ttl_s * 1000))
         self._create = client.register_script(_CREATE)
         self._put = client.register_script(_PUT)
@@ -69,13 +92,20 @@ class RedisSessionStore:
 
     async def create(self, session: Session) -> Session:
         stored = msgspec.structs.replace(session, version=1)
+        data = self._encode(stored)
         async with _unavailable_on_error():
             ok = await self._create(
                 keys=[self.key(session.tenant, session.id)],
-                args=[1, encode_session(stored), self._ttl_ms],
+                args=[1, data, self._ttl_ms, _SUMMARY_ENCODER.encode(stored.summary())],
             )
-        if not ok:
-            raise VersionConflict(session.id, 0, None)
+            if not ok:
+                raise VersionConflict(session.id, 0, None)
+            # NOTE: not in the script: the index is another key (another Cluster slot)
+            index = self.index_key(session.tenant)
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.zadd(index, {session.id: 0})
+                pipe.pexpire(index, self._ttl_ms)
+                await pipe.execute()
         return stored
 
     async def get(self, tenant: str, session_id: str) -> Session | None:
@@ -85,11 +115,15 @@ class RedisSessionStore:
 
     async def put(self, session: Session) -> Session:
         stored = msgspec.structs.replace(session, version=session.version + 1)
-        async with _unavailable_on_error():
-            result = await self._put(
+        data = self._encode(stored)
+        summary = _SUMMARY_ENCODER.encode(stored.summary())
+        async with _unavailable_on_error(), self.client.pipeline(transaction=False) as pipe:
+            await self._put(
                 keys=[self.key(session.tenant, session.id)],
-                args=[session.version, stored.version, encode_session(stored), self._ttl_ms],
+                args=[session.version, stored.version, data, self._ttl_ms, summary], client=pipe,
             )
+            pipe.pexpire(self.index_key(session.tenant), self._ttl_ms)
+            result, _ = await pipe.execute()
         if result == -1:
             raise SessionNotFound(session.id)
         if result != 1:
@@ -97,8 +131,31 @@ class RedisSessionStore:
         return stored
 
     async def delete(self, tenant: str, session_id: str) -> bool:
+        async with _unavailable_on_error(), self.client.pipeline(transaction=False) as pipe:
+            pipe.delete(self.key(tenant, session_id))
+            pipe.zrem(self.index_key(tenant), session_id)
+            deleted, _ = await pipe.execute()
+        return bool(deleted)
+
+    async def list(self, tenant: str, after: str | None, limit: int) -> SessionPage:
+        assert 0 < limit <= MAX_PAGE_SIZE, f"{limit=}"
+        found: list[SessionSummary] = []
+        start = "-" if after is None else f"({after}"
         async with _unavailable_on_error():
-            return bool(await self.client.delete(self.key(tenant, session_id)))
+            for _ in range(_MAX_LIST_ROUNDS):
+                ids = await self.client.zrangebylex(
+                    self.index_key(tenant), start, "+", start=0, num=limit + 1 - len(found)
+                )
+                summaries = await self._summaries(tenant, ids)
+                found.extend(s for s in summaries if s is not None)
+                if len(found) > limit or len(ids) < limit + 1 - len(found) or not ids:
+                    break
+                start = f"({ids[-1].decode()}"
+        return SessionPage(data=found[:limit], has_more=len(found) > limit)
+
+    async def ping(self) -> None:
+        async with _unavailable_on_error():
+            await asyncio.wait_for(self.client.ping(), PING_TIMEOUT_S)
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -107,9 +164,36 @@ class RedisSessionStore:
         # NOTE: tenant ids never contain ':' (gateway/tenancy.py), so keys cannot collide
         return f"{self.prefix}{tenant}:{session_id}"
 
+    def index_key(self, tenant: str) -> str:
+        # NOTE: '@' is in no tenant id, so no session key is an index key
+        return f"{self.prefix}@index:{tenant}"
+
+    def _encode(self, session: Session) -> bytes:
+        data = encode_session(session)
+        if len(data) > self.max_session_bytes:
+            raise SessionTooLarge(session.id, len(data), self.max_session_bytes)
+        return data
+
+    async def _summaries(self, tenant: str, ids: list[bytes]) -> list[SessionSummary | None]:
+        """The summaries of ``ids``; the ids whose session is gone leave the index."""
+        if not ids:
+            return []
+        async with self.client.pipeline(transaction=False) as pipe:
+            for i in ids:
+                pipe.hget(self.key(tenant, i.decode()), "m")
+            raw = await pipe.execute()
+        gone = [i for i, m in zip(ids, raw, strict=True) if m is None]
+        if gone:
+            await self.client.zrem(self.index_key(tenant), *gone)
+        return [None if m is None else _SUMMARY_DECODER.decode(m) for m in raw]
+
 
 async def connect_redis(
-    url: str, idle_ttl_s: float = 3600.0, timeout_s: float = CONNECT_TIMEOUT_S
+    url: str,
+    idle_ttl_s: float = 3600.0,
+    timeout_s: float = CONNECT_TIMEOUT_S,
+    *,
+    max_session_bytes: int = DEFAULT_MAX_SESSION_BYTES,
 ) -> RedisSessionStore:
     """A store on the Redis at ``url`` (``redis://[:password@]host:port/db``), checked with a
     PING.
@@ -128,7 +212,7 @@ async def connect_redis(
     except (RedisError, OSError) as exc:
         await client.aclose()
         raise StoreUnavailable(f"cannot reach Redis at {redacted(url)}: {exc}") from None
-    return RedisSessionStore(client, idle_ttl_s)
+    return RedisSessionStore(client, idle_ttl_s, max_session_bytes=max_session_bytes)
 
 
 def redacted(url: str) -> str:
@@ -145,5 +229,5 @@ def redacted(url: str) -> str:
 async def _unavailable_on_error() -> AsyncIterator[None]:
     try:
         yield
-    except (RedisError, OSError) as exc:
-        raise StoreUnavailable(f"session store (Redis) failed: {exc}") from None
+    except (RedisError, OSError, TimeoutError) as exc:
+        raise StoreUnavailable(f"session store (Redis) failed: {exc!r}") from None

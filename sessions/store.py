@@ -8,7 +8,10 @@ from typing import Protocol
 
 import msgspec
 
-from sessions.model import Session
+from sessions.model import Session, SessionPage
+
+DEFAULT_MAX_SESSION_BYTES = 32 * 1024 * 1024
+MAX_PAGE_SIZE = 100
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Session)
@@ -23,6 +26,7 @@ class SessionStore(Protocol):
 
         Raises:
             VersionConflict: a session with this (tenant, id) exists.
+            SessionTooLarge: it encodes to more than the store's per-session byte bound.
         """
         ...
 
@@ -37,11 +41,21 @@ class SessionStore(Protocol):
         Raises:
             SessionNotFound: it no longer exists (deleted, expired, evicted).
             VersionConflict: someone else wrote it since it was read.
+            SessionTooLarge: it encodes to more than the store's per-session byte bound.
         """
         ...
 
     async def delete(self, tenant: str, session_id: str) -> bool:
         """Remove it; False when there was nothing to remove."""
+        ...
+
+    async def list(self, tenant: str, after: str | None, limit: int) -> SessionPage:
+        """Up to ``limit`` (<= ``MAX_PAGE_SIZE``) of the tenant's sessions with ids above
+        ``after`` (None: from the first), ordered by id. A read, not a use: no TTL refresh."""
+        ...
+
+    async def ping(self) -> None:
+        """Raises ``StoreUnavailable`` when the store cannot be reached."""
         ...
 
     async def close(self) -> None: ...

@@ -1,6 +1,7 @@
 """The Session API: multi-turn agent sessions kept by the gateway.
 
     POST   /v1/sessions              create (model, system, tools, metadata, prior messages)
+    GET    /v1/sessions              the caller's sessions, a page at a time (?limit=, ?after=)
     GET    /v1/sessions/{id}         messages, per-turn usage and cache statistics
     DELETE /v1/sessions/{id}
     POST   /v1/sessions/{id}/turns   append user messages / tool results; the assistant answer
@@ -10,25 +11,31 @@
 Sessions belong to the tenant of the bearer key (``gateway.tenancy``): another tenant's id is a
 404. The WebSocket protocol (JSON text frames, ``gateway.schemas.sessions``):
 
-    client -> server   {"type": "turn", "messages": [...], "max_tokens": 64, ...}
-                       {"type": "cancel"}
-    server -> client   {"type": "turn_start", "session_id", "turn", "request_id"}
+    client -> server   {"type": "turn", "id": "t1", "messages": [...], "max_tokens": 64, ...}
+                       {"type": "cancel", "id": "c1"}
+    server -> client   {"type": "turn_start", "session_id", "turn", "request_id", "id"}
                        {"type": "delta", "content": "..."}                  (zero or more)
                        {"type": "tool_call", "tool_call": {id, type, function}}  (at the end)
                        {"type": "turn_end", "session_id", "turn", "request_id", "message",
-                        "finish_reason", "usage"}
-                       {"type": "error", "error": {"message", "type", "param", "code"}}
+                        "finish_reason", "usage", "id"}
+                       {"type": "error", "error": {"message", "type", "param", "code"}, "id"}
 
-One turn at a time: a turn frame while one runs is an error frame (``turn_in_progress``). A bad
-frame is an error frame and the socket stays open; an unknown session closes it (code 4404) after
-an error frame. ``cancel`` ends the running turn with finish_reason "cancelled"; the partial answer
-is kept in the history (``gateway.turns``). A streamed REST turn sends the same frames as SSE
-``data:`` lines, from ``turn_start`` to ``turn_end`` (or ``error``).
+``id`` is optional; the frames answering a client frame carry its ``id`` (an error frame about a
+frame that is not even JSON has none). One turn at a time: a turn frame while one runs is an
+error frame (``turn_in_progress``). A bad frame is an error frame and the socket stays open; a
+frame over ``max_body_bytes`` is an error frame (``frame_too_large``), then the socket closes
+(1009); an unknown session closes it (code 4404) after an error frame. ``cancel`` ends the
+running turn with finish_reason "cancelled"; the partial answer is kept in the history
+(``gateway.turns``). A streamed REST turn sends the same frames as SSE ``data:`` lines, from
+``turn_start`` to ``turn_end`` (or ``error``). When the session store fails as a turn ends, the
+stream's last frame is an ``error`` with type and code ``service_unavailable`` (a REST turn
+answers 503).
 """
 
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -51,6 +58,8 @@ from gateway.schemas.sessions import (
     ErrorFrame,
     ServerFrame,
     SessionCacheStats,
+    SessionList,
+    SessionListItem,
     SessionObject,
     ToolCallFrame,
     TurnEnd,
@@ -60,14 +69,18 @@ from gateway.schemas.sessions import (
     decode_client_frame,
     decode_session_create,
     decode_turn_request,
+    frame_id_of,
 )
 from gateway.tenancy import tenant_of
-from gateway.turns import Turn, begin_turn, message_dict
+from gateway.turns import Turn, begin_turn, check_new_session, message_dict
 from sessions import (
+    MAX_PAGE_SIZE,
     InvalidMessages,
     Session,
     SessionError,
     SessionNotFound,
+    SessionSummary,
+    SessionTooLarge,
     StoreUnavailable,
     TurnInProgress,
 )
@@ -76,12 +89,15 @@ logger = logging.getLogger(__name__)
 
 _JSON = msgspec.json.Encoder()
 WS_CLOSE_NOT_FOUND = 4404
+WS_CLOSE_TOO_BIG = 1009
+DEFAULT_PAGE_SIZE = 20
 
 # status, error type per session error; anything else (VersionConflict) is a 409
 _SESSION_ERRORS: dict[type[SessionError], tuple[int, str]] = {
     SessionNotFound: (404, "invalid_request_error"),
     InvalidMessages: (400, "invalid_request_error"),
     TurnInProgress: (409, "invalid_request_error"),
+    SessionTooLarge: (413, "invalid_request_error"),
     StoreUnavailable: (503, "service_unavailable"),
 }
 
@@ -103,12 +119,26 @@ class SessionsController(Controller):
         sessions: NamedDependency[SessionsState],
     ) -> SessionObject:
         req = decode_session_create(await request.body())
+        messages = [message_dict(m) for m in req.messages]
+        await check_new_session(sessions, model, req.system, req.tools, messages)
         session = await sessions.manager.create(
             tenant_of(request), model.name, system=req.system,
             tools=msgspec.to_builtins(req.tools) if req.tools else None, metadata=req.metadata,
-            messages=[message_dict(m) for m in req.messages],
+            messages=messages,
         )
         return session_object(session)
+
+    @get()
+    async def list_sessions(
+        self, request: Request[Any, Any, Any], sessions: NamedDependency[SessionsState]
+    ) -> SessionList:
+        limit, after = _page_params(request)
+        page = await sessions.manager.list(tenant_of(request), after, limit)
+        data = [_list_item(s) for s in page.data]
+        return SessionList(
+            data=data, has_more=page.has_more, first_id=data[0].id if data else None,
+            last_id=data[-1].id if data else None,
+        )
 
     @get("/{session_id:str}")
     async def read(
@@ -171,7 +201,7 @@ def session_object(session: Session) -> SessionObject:
         id=session.id, model=session.model, system=session.system, tools=session.tools,
         metadata=session.metadata, messages=session.messages, turns=turns,
         usage=Usage.of(prompt, completion, cached), cache=cache,
-        running=session.running is not None, created_at=session.created_at,
+        running=session.is_running(time.time()), created_at=session.created_at,
         updated_at=session.updated_at,
     )
 
@@ -201,9 +231,14 @@ class _SessionSocket:
             await self._send(ErrorFrame(error=_error_detail(exc)))
             await self.socket.close(code=WS_CLOSE_NOT_FOUND, reason="session not found")
             return
+        max_bytes = self.socket.app.state.cfg.max_body_bytes
         try:
             while True:
-                await self._on_frame(await self.socket.receive_data(mode="text"))
+                data = await self.socket.receive_data(mode="text")
+                if len(data) > max_bytes:
+                    await self._refuse_big_frame(len(data), max_bytes)
+                    return
+                await self._on_frame(data)
         except WebSocketDisconnect:
             pass
         finally:
@@ -211,11 +246,19 @@ class _SessionSocket:
                 self._task.cancel()
                 await asyncio.gather(self._task, return_exceptions=True)
 
+    async def _refuse_big_frame(self, size_bytes: int, max_bytes: int) -> None:
+        exc = RequestError(
+            f"The frame is {size_bytes} bytes; frames are at most {max_bytes} bytes.",
+            code="frame_too_large", status=413,
+        )
+        await self._send(ErrorFrame(error=_error_detail(exc)))
+        await self.socket.close(code=WS_CLOSE_TOO_BIG, reason="frame too large")
+
     async def _on_frame(self, data: str | bytes) -> None:
         try:
             frame = decode_client_frame(data)
         except RequestError as exc:
-            await self._send(ErrorFrame(error=_error_detail(exc)))
+            await self._send(ErrorFrame(error=_error_detail(exc), id=frame_id_of(data)))
             return
         running = self._task is not None and not self._task.done()
         if isinstance(frame, CancelFrame):
@@ -224,10 +267,11 @@ class _SessionSocket:
                 self._task.cancel()  # type: ignore[union-attr]
             elif not running:
                 exc = RequestError("no turn is running", param="type", code="no_turn_running")
-                await self._send(ErrorFrame(error=_error_detail(exc)))
+                await self._send(ErrorFrame(error=_error_detail(exc), id=frame.id))
             return
         if running:
-            await self._send(ErrorFrame(error=_error_detail(TurnInProgress(self.session_id))))
+            busy = _error_detail(TurnInProgress(self.session_id))
+            await self._send(ErrorFrame(error=busy, id=frame.id))
             return
         self._task = asyncio.create_task(self._turn(frame))
 
@@ -238,13 +282,14 @@ class _SessionSocket:
                 self.sessions, self.model, self.dispatcher, self.tenant, self.session_id, frame
             )
         except Exception as exc:
-            await self._send(ErrorFrame(error=_error_detail(exc)))
+            await self._send(ErrorFrame(error=_error_detail(exc), id=frame.id))
             return
         self._is_cancellable = True
         error: Exception | None = None
         try:
             await self._send(TurnStart(
-                session_id=self.session_id, turn=turn.index, request_id=turn.request_id
+                session_id=self.session_id, turn=turn.index, request_id=turn.request_id,
+                id=frame.id,
             ))
             await turn.start()
             async with contextlib.aclosing(turn.deltas()) as deltas:
@@ -259,16 +304,19 @@ class _SessionSocket:
             error = exc
         finally:
             self._is_cancellable = False
-            end = await turn.close()
-        await self._send_end(end, error)
+            end, close_error = await _close(turn)
+        await self._send_end(end, error or close_error, frame.id)
 
-    async def _send_end(self, end: TurnEnd | None, error: Exception | None) -> None:
+    async def _send_end(
+        self, end: TurnEnd | None, error: Exception | None, frame_id: str | None
+    ) -> None:
         if end is None or error is not None:
-            await self._send(ErrorFrame(error=_error_detail(error or RuntimeError("no answer"))))
+            detail = _error_detail(error or RuntimeError("no answer"))
+            await self._send(ErrorFrame(error=detail, id=frame_id))
             return
         for call in end.message.tool_calls or []:
             await self._send(ToolCallFrame(tool_call=call))
-        await self._send(end)
+        await self._send(msgspec.structs.replace(end, id=frame_id))
 
     async def _send(self, frame: ServerFrame) -> None:
         await self.socket.send_data(_JSON.encode(frame).decode(), mode="text")
@@ -278,8 +326,17 @@ async def _start(turn: Turn) -> None:
     try:
         await turn.start()
     except BaseException:
-        await turn.close()
+        with contextlib.suppress(SessionError):  # NOTE: the start's error is the one to tell
+            await turn.close()
         raise
+
+
+async def _close(turn: Turn) -> tuple[TurnEnd | None, SessionError | None]:
+    """``turn.close()``, its store failure returned (a stream ends with it as an error frame)."""
+    try:
+        return await turn.close(), None
+    except SessionError as exc:
+        return None, exc
 
 
 async def _run_to_end(turn: Turn) -> TurnEnd:
@@ -295,7 +352,7 @@ async def _run_to_end(turn: Turn) -> TurnEnd:
 
 async def _turn_sse(turn: Turn) -> AsyncIterator[ServerSentEventMessage]:
     """The SSE body; leaving it early (the client went away) records a cancelled turn."""
-    error: DispatchError | None = None
+    error: DispatchError | SessionError | None = None
     try:
         yield _event(TurnStart(session_id=turn.session.id, turn=turn.index,
                                request_id=turn.request_id))
@@ -306,7 +363,8 @@ async def _turn_sse(turn: Turn) -> AsyncIterator[ServerSentEventMessage]:
     except DispatchError as exc:
         error = exc
     finally:
-        end = await turn.close()
+        end, close_error = await _close(turn)
+    error = error or close_error
     if error is not None or end is None:
         yield _event(ErrorFrame(error=_error_detail(error or RuntimeError("no answer"))))
         return
@@ -317,6 +375,30 @@ async def _turn_sse(turn: Turn) -> AsyncIterator[ServerSentEventMessage]:
 
 def _event(frame: ServerFrame) -> ServerSentEventMessage:
     return ServerSentEventMessage(data=_JSON.encode(frame).decode(), sep="\n")
+
+
+def _page_params(request: Request[Any, Any, Any]) -> tuple[int, str | None]:
+    """``limit`` (1..100, default 20) and ``after`` (a session id) of a list request."""
+    raw = request.query_params.get("limit")
+    try:
+        limit = DEFAULT_PAGE_SIZE if raw is None else int(raw)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_PAGE_SIZE:
+        raise RequestError(
+            f"limit must be an integer from 1 to {MAX_PAGE_SIZE}, got {raw!r}", param="limit"
+        )
+    return limit, request.query_params.get("after") or None
+
+
+def _list_item(summary: SessionSummary) -> SessionListItem:
+    return SessionListItem(
+        id=summary.id, model=summary.model, metadata=summary.metadata,
+        num_messages=summary.num_messages, num_turns=summary.num_turns,
+        running=summary.running is not None and summary.running.expires_at > time.time(),
+        created_at=summary.created_at,
+        updated_at=summary.updated_at,
+    )
 
 
 def _turn_info(record: Any) -> TurnInfo:

@@ -40,6 +40,7 @@ _Metadata = Annotated[
 _Stop = str | Annotated[list[str], Meta(max_length=MAX_STOP_STRINGS)] | None
 _MaxTokens = Annotated[int, Meta(ge=1)] | None
 _Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+_FrameId = Annotated[str, Meta(max_length=256)] | None
 
 # --- requests --------------------------------------------------------------------------------
 
@@ -81,13 +82,25 @@ class TurnRequest(TurnParams, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 
 class TurnFrame(TurnParams, tag="turn", tag_field="type", frozen=True, kw_only=True):
-    """Client -> server: run a turn."""
+    """Client -> server: run a turn. ``id`` (optional) comes back in the frames that answer
+    it (``turn_start``, ``turn_end``, ``error``)."""
+
+    id: _FrameId = None
 
 
 class CancelFrame(
-    msgspec.Struct, tag="cancel", tag_field="type", frozen=True, forbid_unknown_fields=True
+    msgspec.Struct, tag="cancel", tag_field="type", frozen=True, kw_only=True,
+    forbid_unknown_fields=True,
 ):
     """Client -> server: end the running turn now (finish_reason "cancelled")."""
+
+    id: _FrameId = None
+
+
+class _FrameIdOnly(msgspec.Struct, frozen=True):
+    """A client frame's id alone (unknown fields ignored)."""
+
+    id: str | None = None
 
 
 ClientFrame = TurnFrame | CancelFrame
@@ -137,16 +150,45 @@ class SessionObject(msgspec.Struct, frozen=True, kw_only=True):
     object: Literal["session"] = "session"
 
 
+class SessionListItem(msgspec.Struct, frozen=True, kw_only=True):
+    """One session in ``GET /v1/sessions`` (no messages)."""
+
+    id: str
+    model: str
+    metadata: dict[str, str]
+    num_messages: int
+    num_turns: int
+    running: bool
+    created_at: float
+    updated_at: float
+    object: Literal["session"] = "session"
+
+
+class SessionList(msgspec.Struct, frozen=True, kw_only=True):
+    """``GET /v1/sessions``: a page of the caller's sessions, ordered by id; the next page is
+    ``?after=<last_id>`` while ``has_more``."""
+
+    data: list[SessionListItem]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
+    object: Literal["list"] = "list"
+
+
 class DeletedSession(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     deleted: bool = True
     object: Literal["session.deleted"] = "session.deleted"
 
 
-class TurnStart(msgspec.Struct, tag="turn_start", tag_field="type", frozen=True, kw_only=True):
+class TurnStart(
+    msgspec.Struct, tag="turn_start", tag_field="type", frozen=True, kw_only=True,
+    omit_defaults=True,
+):
     session_id: str
     turn: int
     request_id: str
+    id: str | None = None  # the WebSocket turn frame's id
 
 
 class DeltaFrame(msgspec.Struct, tag="delta", tag_field="type", frozen=True, kw_only=True):
@@ -157,7 +199,10 @@ class ToolCallFrame(msgspec.Struct, tag="tool_call", tag_field="type", frozen=Tr
     tool_call: ToolCall
 
 
-class TurnEnd(msgspec.Struct, tag="turn_end", tag_field="type", frozen=True, kw_only=True):
+class TurnEnd(
+    msgspec.Struct, tag="turn_end", tag_field="type", frozen=True, kw_only=True,
+    omit_defaults=True,
+):
     """The end of a turn; also the JSON body of a non-streamed ``POST .../turns``.
     ``finish_reason``: "stop", "length", "tool_calls" or "cancelled"."""
 
@@ -167,10 +212,16 @@ class TurnEnd(msgspec.Struct, tag="turn_end", tag_field="type", frozen=True, kw_
     message: ResponseMessage
     finish_reason: str
     usage: Usage
+    id: str | None = None  # the WebSocket turn frame's id
 
 
-class ErrorFrame(msgspec.Struct, tag="error", tag_field="type", frozen=True, kw_only=True):
+class ErrorFrame(
+    msgspec.Struct, tag="error", tag_field="type", frozen=True, kw_only=True, omit_defaults=True
+):
+    """``id``: the WebSocket frame this error answers, when it had one."""
+
     error: ErrorDetail
+    id: str | None = None
 
 
 ServerFrame = TurnStart | DeltaFrame | ToolCallFrame | TurnEnd | ErrorFrame
@@ -180,6 +231,7 @@ ServerFrame = TurnStart | DeltaFrame | ToolCallFrame | TurnEnd | ErrorFrame
 _CREATE_DECODER = msgspec.json.Decoder(SessionCreateRequest)
 _TURN_DECODER = msgspec.json.Decoder(TurnRequest)
 _FRAME_DECODER = msgspec.json.Decoder(ClientFrame)
+_FRAME_ID_DECODER = msgspec.json.Decoder(_FrameIdOnly)
 
 
 def decode_session_create(body: bytes) -> SessionCreateRequest:
@@ -201,6 +253,14 @@ def decode_client_frame(data: str | bytes) -> ClientFrame:
     if isinstance(frame, TurnFrame):
         _check_turn(frame)
     return frame
+
+
+def frame_id_of(data: str | bytes) -> str | None:
+    """The ``id`` of a frame that failed to decode, when it has a readable string one."""
+    try:
+        return _FRAME_ID_DECODER.decode(data).id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 def turn_sampling_spec(

@@ -91,7 +91,7 @@ def test_rest_round_trip_with_usage_and_cached_tokens(client: TestClient[Litesta
     session = client.get(f"/v1/sessions/{sid}", headers=KEY_A).json()
     assert session["metadata"] == {"agent": "test"} and session["system"] == "Be brief."
     assert [m["role"] for m in session["messages"]] == ["user", "assistant"] * 2, session
-    assert session["messages"][1]["content"] == (body["message"]["content"] or "")
+    assert session["messages"][1]["content"] == body["message"]["content"]
     t0, t1 = session["turns"]
     assert t0["messages"] == [0, 2] and t1["messages"] == [2, 4], session["turns"]
     assert t1["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, t1
@@ -197,7 +197,7 @@ def test_websocket_turns_cancel_and_errors(client: TestClient[Litestar]) -> None
     session = client.get(f"/v1/sessions/{sid}", headers=KEY_A).json()
     assert [t["finish_reason"] for t in session["turns"]] == ["length", "cancelled"]
     assert session["messages"][-1]["role"] == "assistant" and not session["running"]
-    assert session["messages"][-1]["content"] == (end["message"]["content"] or "")
+    assert session["messages"][-1]["content"] == end["message"]["content"]
 
 
 def test_websocket_unknown_session_closes_with_an_error(client: TestClient[Litestar]) -> None:
