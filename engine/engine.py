@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from engine.config import EngineConfig
-from engine.grammar import GrammarCompiler
+from engine.grammar import MAX_GRAMMAR_CACHE_BYTES, GrammarCompiler, GrammarMatcher
 from engine.kv.allocator import PageAllocator
 from engine.kv.layout import KVLayout, PageKind
 from engine.kv.manager import KVManager
@@ -54,6 +54,7 @@ class Engine:
         model_config: geometry for the "sim" backend when ``cfg.model_path`` is not given.
         on_cache_event: receives the prefix cache's events (the worker publishes them).
         cost: the sim backend's ``CostModel`` (default: calibrated CPU figures).
+        grammar_cache_bytes: the bound of the compiled-grammar cache (estimated bytes).
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class Engine:
         model_config: ModelConfig | None = None,
         on_cache_event: Callable[[CacheEvent], None] | None = None,
         cost: object | None = None,
+        grammar_cache_bytes: int = MAX_GRAMMAR_CACHE_BYTES,
     ) -> None:
         self.cfg = cfg
         self.model_config = model_config or ModelConfig.from_dir(_require_path(cfg))
@@ -80,23 +82,37 @@ class Engine:
         )
         self.eos_token_ids = _eos_ids(cfg.model_path, self.model_config)
         self.grammars = GrammarCompiler(cfg.model_path, self.model_config.vocab_size,
-                                        self.eos_token_ids)
+                                        self.eos_token_ids, max_cache_bytes=grammar_cache_bytes)
 
     # ------------------------------------------------------------------ requests
 
-    def make_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      **kwargs: object) -> Sequence:
-        """Validate and build a request (``kwargs``: priority, cache_salt, session_id, ...).
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The checks of ``make_sequence`` that need no grammar.
 
         Raises:
-            ValueError: empty prompt, token id outside the vocabulary, or prompt + max_new_tokens
-                beyond the model's context (``ContextTooLong``).
-            GrammarError: ``params.structured`` does not compile (a ValueError too).
+            ValueError: empty prompt, token id outside the vocabulary (or a ``logit_bias`` id),
+                or prompt + max_new_tokens beyond the model's context (``ContextTooLong``).
         """
         _validate_prompt(prompt_ids, params.max_new_tokens, self.model_config)
+        _validate_logit_bias(params, self.model_config.vocab_size)
+
+    def make_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      grammar: GrammarMatcher | None = None, **kwargs: object) -> Sequence:
+        """Validate and build a request (``kwargs``: priority, cache_salt, session_id, ...).
+
+        Args:
+            grammar: ``params.structured`` compiled already (``GrammarCompiler``); None with a
+                grammar in ``params``: compiled here (cached).
+
+        Raises:
+            ValueError: as ``check_request``.
+            GrammarError: ``params.structured`` does not compile (a ValueError too).
+        """
+        self.check_request(prompt_ids, params)
         eos = () if params.ignore_eos else self.eos_token_ids
         stop = set(params.stop_token_ids) | set(eos)
-        grammar = None if params.structured is None else self.grammars.matcher(params.structured)
+        if grammar is None and params.structured is not None:
+            grammar = self.grammars.matcher(params.structured)
         return Sequence(request_id, tuple(map(int, prompt_ids)), params,
                         generator=self._generator(params.seed), stop_ids=frozenset(stop),
                         grammar=grammar, **kwargs)  # type: ignore[arg-type]
@@ -208,6 +224,14 @@ def _eos_ids(model_path: str | None, cfg: ModelConfig) -> tuple[int, ...]:
         eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
         ids += eos if isinstance(eos, list) else ([] if eos is None else [eos])
     return tuple(dict.fromkeys(ids))
+
+
+def _validate_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    bad = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if bad:
+        raise ValueError(
+            f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+        )
 
 
 def _validate_prompt(prompt: list[int], max_new_tokens: int, cfg: ModelConfig) -> None:

@@ -3,8 +3,12 @@ tokenizer, then per request compute which tokens may come next and advance with 
 
     GrammarCompiler (one per engine)           GrammarMatcher (one per request)
       tokenizer.json -> LLTokenizer, once        allowed(vocab) -> bool [V] for the next token
-      LRU: grammar text -> compiled matcher      accept(token) after each sampled token
-                                                 is_terminated: an EOS the grammar accepted
+      LRU: spec -> compiled matcher, bounded     accept(token) after each sampled token
+      in estimated bytes                         is_terminated: an EOS the grammar accepted
+
+``GrammarCompiler.compile`` is safe from any thread (llguidance releases the GIL while it
+compiles, so the worker compiles on ``engine.grammar_jobs`` threads); the cache methods
+(``cached``, ``add``, ``matcher``) belong to one thread, the engine's.
 
 NOTE (state): a matcher has consumed exactly its request's ``output_ids``. Preemption keeps the
 output ids and recomputes only their KV, so a resumed request's matcher just continues; nothing
@@ -18,9 +22,10 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -37,6 +42,11 @@ JSON_FORMAT: dict[str, Any] = {
     "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
 }
 MAX_CACHED_GRAMMARS = 128
+MAX_GRAMMAR_CACHE_BYTES = 128 * 2**20
+# NOTE: measured with the demo tokenizer, a compiled grammar took 100-300 bytes of RSS per byte of
+# llguidance grammar text (flat JSON schemas of 60-120 kB); the estimate takes the high end.
+COMPILED_BYTES_PER_GRAMMAR_BYTE = 256
+COMPILED_BASE_BYTES = 64 * 2**10
 _MAX_ERROR_CHARS = 400
 
 
@@ -80,6 +90,18 @@ def check_grammar(spec: StructuredSpec) -> None:
     error = LLMatcher.validate_grammar(grammar_text(spec))
     if error:
         raise GrammarError(_short(error))
+
+
+class CompiledGrammar(NamedTuple):
+    """A compiled grammar (at the start of its input) and an estimate of the memory it holds."""
+
+    matcher: llguidance.LLMatcher
+    num_bytes: int
+
+
+def spec_bytes(spec: StructuredSpec) -> int:
+    """The size of a spec's grammar text (the schema or the Lark source) in UTF-8 bytes."""
+    return len((spec.json_schema or spec.lark or "").encode())
 
 
 class GrammarMatcher:
@@ -126,69 +148,111 @@ class GrammarMatcher:
 
 class GrammarCompiler:
     """Builds matchers for one model: the llguidance tokenizer (from ``tokenizer.json``, once, on
-    the first grammar) and a bounded LRU of compiled grammars keyed by their text.
+    the first grammar) and an LRU of compiled grammars keyed by their spec, bounded in count and
+    in estimated bytes (``CompiledGrammar.num_bytes``; a grammar larger than the whole byte
+    budget is used but not kept).
 
     Args:
         model_path: the model directory (its ``tokenizer.json``); None: grammars are refused.
         vocab_size: the model's vocabulary (logit columns); ids the tokenizer lacks are never
             allowed.
         eos_token_ids: the engine's EOS ids; a complete grammar allows exactly these.
+        max_cached: grammars kept at most.
+        max_cache_bytes: estimated bytes kept at most.
     """
 
     def __init__(self, model_path: str | None, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 max_cached: int = MAX_CACHED_GRAMMARS) -> None:
+                 max_cached: int = MAX_CACHED_GRAMMARS,
+                 max_cache_bytes: int = MAX_GRAMMAR_CACHE_BYTES) -> None:
+        assert max_cached >= 0 and max_cache_bytes >= 0, "cache bounds must be >= 0"
         self.model_path = model_path
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.max_cached = max_cached
+        self.max_cache_bytes = max_cache_bytes
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._cache: OrderedDict[StructuredSpec, llguidance.LLMatcher] = OrderedDict()
+        self._tokenizer_lock = threading.Lock()
+        self._cache: OrderedDict[StructuredSpec, CompiledGrammar] = OrderedDict()
+        self._cache_bytes = 0
 
     def matcher(self, spec: StructuredSpec) -> GrammarMatcher:
-        """A fresh matcher for ``spec`` at the start of its grammar.
+        """A fresh matcher for ``spec`` at the start of its grammar (compiled here on a miss).
 
         Raises:
             GrammarError: the grammar does not compile against this model's tokenizer, or the
                 model directory has no ``tokenizer.json``.
         """
+        return self.cached(spec) or self.add(spec, self.compile(spec))
+
+    def cached(self, spec: StructuredSpec) -> GrammarMatcher | None:
+        """A fresh matcher from the cache (marked recently used), or None on a miss."""
         compiled = self._cache.get(spec)
         if compiled is None:
-            compiled = self._compile(spec)
+            return None
+        self._cache.move_to_end(spec)
+        return self.new_matcher(compiled)
+
+    def compile(self, spec: StructuredSpec) -> CompiledGrammar:
+        """Compile without touching the cache; safe from any thread.
+
+        Raises:
+            GrammarError: as for ``matcher``.
+        """
+        from llguidance import LLMatcher
+
+        text = grammar_text(spec)
+        matcher = LLMatcher(self._get_tokenizer(), text, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(_short(matcher.get_error()))
+        num_bytes = COMPILED_BASE_BYTES + COMPILED_BYTES_PER_GRAMMAR_BYTE * len(text)
+        return CompiledGrammar(matcher, num_bytes)
+
+    def add(self, spec: StructuredSpec, compiled: CompiledGrammar) -> GrammarMatcher:
+        """Keep ``compiled`` (evicting the least recently used beyond the bounds), and return a
+        fresh matcher of it."""
+        old = self._cache.pop(spec, None)
+        if old is not None:
+            self._cache_bytes -= old.num_bytes
+        if compiled.num_bytes <= self.max_cache_bytes and self.max_cached > 0:
             self._cache[spec] = compiled
-            if len(self._cache) > self.max_cached:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(spec)
-        return GrammarMatcher(compiled.deep_copy(), self.eos_token_ids)
+            self._cache_bytes += compiled.num_bytes
+        while len(self._cache) > self.max_cached or self._cache_bytes > self.max_cache_bytes:
+            _, evicted = self._cache.popitem(last=False)
+            self._cache_bytes -= evicted.num_bytes
+        return self.new_matcher(compiled)
+
+    def new_matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
+        """A fresh matcher of a compiled grammar (its own parser state)."""
+        return GrammarMatcher(compiled.matcher.deep_copy(), self.eos_token_ids)
 
     @property
     def num_cached(self) -> int:
         return len(self._cache)
 
-    def _compile(self, spec: StructuredSpec) -> llguidance.LLMatcher:
-        from llguidance import LLMatcher
-
-        matcher = LLMatcher(self._get_tokenizer(), grammar_text(spec), log_level=0)
-        if matcher.is_error():
-            raise GrammarError(_short(matcher.get_error()))
-        return matcher
+    @property
+    def cache_bytes(self) -> int:
+        """The estimated bytes of the compiled grammars kept."""
+        return self._cache_bytes
 
     def _get_tokenizer(self) -> llguidance.LLTokenizer:
-        if self._tokenizer is None:
-            path = Path(self.model_path) / "tokenizer.json" if self.model_path else None
-            if path is None or not path.is_file():
-                raise GrammarError(
-                    "structured output needs the model's tokenizer.json, and this worker has none"
-                )
-            from llguidance import LLTokenizer
+        with self._tokenizer_lock:  # NOTE: compile threads may race to load it first
+            if self._tokenizer is None:
+                self._tokenizer = self._load_tokenizer()
+            return self._tokenizer
 
-            try:
-                self._tokenizer = LLTokenizer(path.read_text(encoding="utf-8"),
-                                              n_vocab=self.vocab_size,
-                                              eos_token=list(self.eos_token_ids) or None)
-            except Exception as e:  # NOTE: llguidance raises plain exceptions for a bad file
-                raise GrammarError(f"{path}: not usable for structured output: {e}") from None
-        return self._tokenizer
+    def _load_tokenizer(self) -> llguidance.LLTokenizer:
+        path = Path(self.model_path) / "tokenizer.json" if self.model_path else None
+        if path is None or not path.is_file():
+            raise GrammarError(
+                "structured output needs the model's tokenizer.json, and this worker has none"
+            )
+        from llguidance import LLTokenizer
+
+        try:
+            return LLTokenizer(path.read_text(encoding="utf-8"), n_vocab=self.vocab_size,
+                               eos_token=list(self.eos_token_ids) or None)
+        except Exception as e:  # NOTE: llguidance raises plain exceptions for a bad file
+            raise GrammarError(f"{path}: not usable for structured output: {e}") from None
 
 
 def _short(error: str) -> str:

@@ -14,11 +14,12 @@ the identity that sent the message. Message flow:
   ``Finished`` (finish_reason "stop", "length" or "abort"), or ``ErrorReply(request_id, code)``:
   ``invalid_request`` (bad sampling values, empty prompt, token id outside the vocabulary),
   ``context_too_long`` (prompt + max_new_tokens > Welcome.max_context), ``invalid_grammar``
-  (``sampling.structured`` does not compile, or the worker has no tokenizer.json),
-  ``overloaded`` (the waiting queue is full), ``internal`` (the engine raised; the request is
-  gone). The exception: ``ErrorReply(request_id, "duplicate_request")`` refuses a Generate
-  whose id this client already has running, and that running request goes on (its own end
-  still comes).
+  (``sampling.structured`` does not compile, is larger than ``max_grammar_bytes``, takes longer
+  than ``grammar_timeout_s`` to compile, or the worker has no tokenizer.json),
+  ``overloaded`` (the waiting queue, or the queue of grammars to compile, is full), ``internal``
+  (the engine raised; the request is gone). The exception:
+  ``ErrorReply(request_id, "duplicate_request")`` refuses a Generate whose id this client
+  already has running, and that running request goes on (its own end still comes).
   NOTE (failed requests): a request the scheduler cannot fit in KV memory even with nothing else
   running (engine finish_reason "error") ends with ``ErrorReply(request_id, "context_too_long")``,
   never with ``Finished("error")``: retrying it here cannot succeed. It is usually rejected before
@@ -28,8 +29,12 @@ the identity that sent the message. Message flow:
 - ``GetLoad`` -> ``LoadReport``; ``Flush`` drops the prefix cache, then -> ``LoadReport``.
 - Anything that does not decode -> ``ErrorReply(None, "bad_message")``; the worker keeps serving.
 
-Request ids are scoped by client: two clients may both run a request "r1". A client that goes
-away without aborting leaves its requests running to completion (their replies are dropped).
+Grammars compile on their own threads (``engine.grammar_jobs``): a request waits unscheduled
+until its grammar is ready, while the loop goes on stepping and answering.
+
+Request ids are scoped by client: two clients may both run a request "r1". A client that has sent
+nothing (a heartbeat ``GetLoad`` included) for ``client_timeout_s`` counts as gone: its requests
+are aborted (a ``Finished("abort")`` is still sent, in case it only stopped talking).
 
 The PUB socket (``--events``) carries KV events under topic ``b"kv"`` once per engine step and a
 ``LoadReport`` under ``b"load"`` about every second (every 100 ms at most while stepping); see
@@ -46,7 +51,7 @@ import socket
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +59,8 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.engine import ContextTooLong, Engine
-from engine.grammar import GrammarError
+from engine.grammar import MAX_GRAMMAR_CACHE_BYTES, GrammarError, GrammarMatcher, spec_bytes
+from engine.grammar_jobs import Failed, GrammarJobs
 from engine.model_config import ModelConfig
 from engine.protocol import (
     PROTOCOL_VERSION,
@@ -62,6 +68,7 @@ from engine.protocol import (
     ClientMsg,
     ErrorCode,
     ErrorReply,
+    Finished,
     Flush,
     Generate,
     GetLoad,
@@ -73,8 +80,10 @@ from engine.protocol import (
     decode_client,
     encode,
 )
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Overloaded
 from engine.sequence import Sequence
+from engine.worker_clients import ClientWatch
 from engine.worker_events import KVEventBuffer, RequestStream, WorkerPublisher, load_report
 
 logger = logging.getLogger(__name__)
@@ -93,6 +102,14 @@ class WorkerConfig:
         replay: ROUTER endpoint for KV event replay; None for none.
         cost: the sim backend's cost preset (``engine.sim.COST_PRESETS``).
         max_messages_per_poll: messages handled between two engine steps at most.
+        grammar_timeout_s: how long a grammar may compile before its request fails with
+            ``invalid_grammar``.
+        max_grammar_bytes: the largest ``json_schema``/``lark`` text accepted (UTF-8 bytes);
+            compile time grows faster than linearly with it.
+        grammar_threads: threads compiling grammars.
+        grammar_cache_bytes: the compiled-grammar cache's bound (estimated bytes).
+        max_compiling_requests: requests waiting for their grammar at most (then overloaded).
+        client_timeout_s: a client silent this long is gone and its requests are aborted.
     """
 
     listen: str
@@ -104,11 +121,32 @@ class WorkerConfig:
     idle_poll_s: float = 0.05
     load_interval_s: float = 1.0
     busy_load_interval_s: float = 0.1
+    grammar_timeout_s: float = 10.0
+    max_grammar_bytes: int = 256 * 2**10
+    grammar_threads: int = 2
+    grammar_cache_bytes: int = MAX_GRAMMAR_CACHE_BYTES
+    max_compiling_requests: int = 64
+    client_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         assert self.cost in COSTS, f"cost={self.cost!r}: one of {COSTS}"
         assert self.max_messages_per_poll >= 1, "max_messages_per_poll must be >= 1"
         assert self.idle_poll_s > 0, f"idle_poll_s={self.idle_poll_s}: must be > 0"
+        assert self.grammar_timeout_s > 0, f"grammar_timeout_s={self.grammar_timeout_s}: > 0"
+        assert self.max_grammar_bytes > 0, f"max_grammar_bytes={self.max_grammar_bytes}: > 0"
+        assert self.grammar_threads >= 1, f"grammar_threads={self.grammar_threads}: >= 1"
+        assert self.grammar_cache_bytes >= 0, "grammar_cache_bytes must be >= 0"
+        assert self.max_compiling_requests >= 1, "max_compiling_requests must be >= 1"
+        assert self.client_timeout_s > 0, f"client_timeout_s={self.client_timeout_s}: > 0"
+
+
+@dataclass(frozen=True, slots=True)
+class _Compiling:
+    """A Generate whose grammar is compiling (not in the engine yet)."""
+
+    identity: bytes
+    msg: Generate
+    params: SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +169,10 @@ class Worker:
         self._init_engine(engine_cfg, model_config)
         self._init_sockets()
         self._requests: dict[str, RequestStream] = {}  # by engine request id
-        self._by_client: dict[tuple[bytes, str], str] = {}  # (identity, request_id) -> engine id
+        self._compiling: dict[str, _Compiling] = {}  # by engine request id
+        # NOTE: (identity, request_id) -> engine id, for requests in either dict above
+        self._by_client: dict[tuple[bytes, str], str] = {}
+        self._clients = ClientWatch(cfg.client_timeout_s)
         self._ids = itertools.count()
         self._held: _HeldStep | None = None
         self._stopping = False
@@ -147,7 +188,9 @@ class Worker:
         while not self._stopping:
             if self._router.poll(self._poll_timeout_ms()):
                 self._drain_messages()
+            self._admit_compiled()
             self._advance()
+            self._drop_silent_clients()
             self._publish()
             self._pub.poll_replay()
 
@@ -155,8 +198,14 @@ class Worker:
         self._stopping = True
 
     def close(self) -> None:
+        self._grammars.close()
         self._router.close(linger=0)
         self._pub.close()
+
+    @property
+    def num_compiling_grammars(self) -> int:
+        """Grammar compiles queued or running (late ones, whose requests failed, included)."""
+        return self._grammars.num_jobs
 
     # ------------------------------------------------------------------ setup
 
@@ -169,7 +218,9 @@ class Worker:
             cost = COST_PRESETS[self.cfg.cost]
         self._kv_events = KVEventBuffer(engine_cfg.page_size, model_config.sliding_window)
         self.engine = Engine(engine_cfg, model_config, on_cache_event=self._kv_events.add,
-                             cost=cost)
+                             cost=cost, grammar_cache_bytes=self.cfg.grammar_cache_bytes)
+        self._grammars = GrammarJobs(self.engine.grammars, self.cfg.grammar_threads,
+                                     self.cfg.grammar_timeout_s)
         runner: Any = self.engine.runner
         # NOTE: simulated seconds so far; a step's delay is how far it moved this clock
         self._sim_clock_s = (lambda: runner.clock_s) if cost is not None else (lambda: 0.0)
@@ -215,6 +266,7 @@ class Worker:
 
     def _handle(self, frames: list[bytes]) -> None:
         identity = frames[0]
+        self._clients.seen(identity, time.monotonic())
         if len(frames) != 2:
             text = f"expected one frame per message, got {len(frames) - 1}"
             self._reply(identity, ErrorReply(request_id=None, code="bad_message", message=text))
@@ -259,22 +311,21 @@ class Worker:
         if (identity, rid) in self._by_client:
             self._error(identity, rid, "duplicate_request", f"request {rid!r} is still running")
             return
-        seq_or_error = self._make_sequence(msg)
-        if isinstance(seq_or_error, ErrorReply):
-            self._reply(identity, seq_or_error)
+        params = self._check_generate(msg)
+        if isinstance(params, ErrorReply):
+            self._reply(identity, params)
             return
-        try:
-            self.engine.add(seq_or_error)
-        except Overloaded as e:
-            self._error(identity, rid, "overloaded", str(e))
+        engine_id = f"{next(self._ids)}:{rid}"
+        spec = params.structured
+        grammar = None if spec is None else self.engine.grammars.cached(spec)
+        if spec is not None and grammar is None:
+            self._compile(identity, msg, params, engine_id)
             return
-        self._requests[seq_or_error.request_id] = RequestStream(
-            identity, rid, seq_or_error, stream_interval_s=msg.stream_interval_s,
-            last_sent_s=time.monotonic(),
-        )
-        self._by_client[(identity, rid)] = seq_or_error.request_id
+        self._admit(identity, msg, params, engine_id, grammar)
 
-    def _make_sequence(self, msg: Generate) -> Sequence | ErrorReply:
+    def _check_generate(self, msg: Generate) -> SamplingParams | ErrorReply:
+        """The request's validated parameters, or the error that refuses it (cheap checks only:
+        nothing here compiles a grammar)."""
         rid = msg.request_id
         try:
             params = msg.sampling.to_params()
@@ -284,25 +335,106 @@ class Worker:
             text = (f"stream_interval_s={msg.stream_interval_s}: must be in "
                     f"[0, {MAX_STREAM_INTERVAL_S}]")
             return ErrorReply(request_id=rid, code="invalid_request", message=text)
+        size = 0 if params.structured is None else spec_bytes(params.structured)
+        if size > self.cfg.max_grammar_bytes:
+            text = (f"the grammar is {size} bytes; this worker compiles grammars of at most "
+                    f"{self.cfg.max_grammar_bytes} bytes")
+            return ErrorReply(request_id=rid, code="invalid_grammar", message=text)
         try:
-            return self.engine.make_sequence(
-                f"{next(self._ids)}:{rid}", msg.input_ids, params, priority=msg.priority,
+            self.engine.check_request(msg.input_ids, params)
+        except ContextTooLong as e:
+            return ErrorReply(request_id=rid, code="context_too_long", message=str(e))
+        except ValueError as e:
+            return ErrorReply(request_id=rid, code="invalid_request", message=str(e))
+        return params
+
+    def _compile(self, identity: bytes, msg: Generate, params: SamplingParams,
+                 engine_id: str) -> None:
+        """Queue the request's grammar; ``_admit_compiled`` admits it once compiled."""
+        if len(self._compiling) >= self.cfg.max_compiling_requests:
+            text = f"{len(self._compiling)} requests are waiting for their grammars to compile"
+            self._error(identity, msg.request_id, "overloaded", text)
+            return
+        assert params.structured is not None
+        self._grammars.submit(engine_id, params.structured)
+        self._compiling[engine_id] = _Compiling(identity, msg, params)
+        self._by_client[(identity, msg.request_id)] = engine_id
+
+    def _admit_compiled(self) -> None:
+        for result in self._grammars.poll():
+            pending = self._compiling.pop(result.request_id, None)
+            if pending is None:
+                continue  # NOTE: aborted or dropped meanwhile
+            self._by_client.pop((pending.identity, pending.msg.request_id), None)
+            if isinstance(result, Failed):
+                self._error(pending.identity, pending.msg.request_id, result.code, result.message)
+            else:
+                self._admit(pending.identity, pending.msg, pending.params, result.request_id,
+                            result.grammar)
+
+    def _admit(self, identity: bytes, msg: Generate, params: SamplingParams, engine_id: str,
+               grammar: GrammarMatcher | None) -> None:
+        """Build the request (its grammar, if any, already compiled) and hand it to the engine."""
+        rid = msg.request_id
+        try:
+            seq = self.engine.make_sequence(
+                engine_id, msg.input_ids, params, grammar=grammar, priority=msg.priority,
                 cache_salt=msg.cache_salt, session_id=msg.session_id,
                 retain_ttl_s=msg.retain_ttl_s,
             )
+            self.engine.add(seq)
         except ContextTooLong as e:
-            return ErrorReply(request_id=rid, code="context_too_long", message=str(e))
+            self._error(identity, rid, "context_too_long", str(e))
+            return
         except GrammarError as e:
-            return ErrorReply(request_id=rid, code="invalid_grammar", message=str(e))
+            self._error(identity, rid, "invalid_grammar", str(e))
+            return
+        except Overloaded as e:
+            self._error(identity, rid, "overloaded", str(e))
+            return
         except ValueError as e:
-            return ErrorReply(request_id=rid, code="invalid_request", message=str(e))
+            self._error(identity, rid, "invalid_request", str(e))
+            return
+        self._requests[engine_id] = RequestStream(
+            identity, rid, seq, stream_interval_s=msg.stream_interval_s,
+            last_sent_s=time.monotonic(),
+        )
+        self._by_client[(identity, rid)] = engine_id
 
     def _on_abort(self, identity: bytes, msg: Abort) -> None:
         engine_id = self._by_client.get((identity, msg.request_id))
         if engine_id is None:
             return  # NOTE: finished already, never sent, or another client's: nothing to do
+        if engine_id in self._compiling:
+            self._abort_compiling(engine_id)
+            return
         self.engine.abort(engine_id)
         self._finish(self._requests[engine_id])
+
+    def _abort_compiling(self, engine_id: str) -> None:
+        """End a request still waiting for its grammar (its compile goes on if shared)."""
+        pending = self._compiling[engine_id]
+        self._forget(pending.identity, pending.msg.request_id)
+        self._reply(pending.identity, Finished(
+            request_id=pending.msg.request_id, finish_reason="abort",
+            prompt_tokens=len(pending.msg.input_ids), completion_tokens=0,
+        ))
+
+    def _drop_silent_clients(self) -> None:
+        """Abort every request of a client that has been silent for ``client_timeout_s``."""
+        gone = set(self._clients.silent(time.monotonic()))
+        if not gone:
+            return
+        dropped = [e for (identity, _), e in self._by_client.items() if identity in gone]
+        for engine_id in dropped:
+            if engine_id in self._compiling:
+                self._abort_compiling(engine_id)
+            else:
+                self.engine.abort(engine_id)
+                self._finish(self._requests[engine_id])
+        if dropped:
+            logger.warning("aborted %d request(s) of %d client(s) silent for %g s",
+                           len(dropped), len(gone), self.cfg.client_timeout_s)
 
     # ------------------------------------------------------------------ engine steps
 
@@ -374,6 +506,8 @@ class Worker:
         engine_id = self._by_client.pop((identity, request_id), None)
         if engine_id is not None:
             self._requests.pop(engine_id, None)
+            if self._compiling.pop(engine_id, None) is not None:
+                self._grammars.cancel(engine_id)
 
     # ------------------------------------------------------------------ replies and events
 
@@ -388,7 +522,10 @@ class Worker:
         self._reply(identity, ErrorReply(request_id=request_id, code=code, message=text))
 
     def _load_report(self) -> LoadReport:
-        return load_report(self.cfg.worker_id, self.engine.stats(), self.instance_id)
+        stats = self.engine.stats()
+        # NOTE: a request whose grammar compiles is waiting, as far as routing is concerned
+        stats = replace(stats, num_waiting=stats.num_waiting + len(self._compiling))
+        return load_report(self.cfg.worker_id, stats, self.instance_id)
 
     def _publish(self) -> None:
         events = self._kv_events.drain()

@@ -156,9 +156,9 @@ def running(worker: WorkerProcess) -> Iterator[WorkerProcess]:
 
 
 @contextmanager
-def worker_thread(engine_cfg: EngineConfig) -> Iterator[Worker]:
+def worker_thread(engine_cfg: EngineConfig, cfg: WorkerConfig | None = None) -> Iterator[Worker]:
     """A worker serving from a thread of this process (so a test can reach into its engine)."""
-    cfg = WorkerConfig(listen=ANY_PORT, events=ANY_PORT, worker_id="inproc", cost="zero")
+    cfg = cfg or WorkerConfig(listen=ANY_PORT, events=ANY_PORT, worker_id="inproc", cost="zero")
     worker = Worker(cfg, engine_cfg)
     thread = threading.Thread(target=worker.serve, daemon=True)
     thread.start()
