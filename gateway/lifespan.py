@@ -14,7 +14,7 @@ from typing import Any
 from litestar import Litestar
 from litestar.datastructures import State
 
-from gateway.dispatch import Dispatcher, DispatchError, WorkerClient
+from gateway.dispatch import Dispatcher, WorkerClient
 from gateway.prompt_cache import PromptCache
 from gateway.tokenizer import Tokenizer
 from sessions import SessionManager, SessionPrompter, StoreUnavailable, create_session_store
@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONTEXT = 8192
 SHUTDOWN_TIMEOUT_S = 5.0
+STARTUP_GRACE_S = 1.0  # NOTE: the most the start waits for the workers (see dispatcher_lifespan)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +61,12 @@ async def model_lifespan(app: Litestar) -> AsyncIterator[None]:
 
 @asynccontextmanager
 async def dispatcher_lifespan(app: Litestar) -> AsyncIterator[None]:
-    """Connect a ``WorkerClient`` per endpoint; one that does not answer stays dead (``/ready``
-    tells), the gateway still starts."""
+    """A ``WorkerClient`` per endpoint, each connecting (and reconnecting) in the background.
+
+    NOTE: the start waits at most ``STARTUP_GRACE_S`` for the workers' Welcomes, so that a
+    gateway over live workers is ready when it starts listening; one that is down does not hold
+    the start (``/ready`` says 503 until one is up) and is used as soon as it comes up.
+    """
     cfg = app.state.cfg
     clients = [
         WorkerClient(
@@ -70,7 +75,9 @@ async def dispatcher_lifespan(app: Litestar) -> AsyncIterator[None]:
         )
         for endpoint in cfg.workers
     ]
-    await asyncio.gather(*(_connect(c) for c in clients))
+    for client in clients:
+        client.start()
+    await _await_welcomes(clients, STARTUP_GRACE_S)
     app.state.dispatcher = Dispatcher(clients)
     try:
         yield
@@ -80,13 +87,20 @@ async def dispatcher_lifespan(app: Litestar) -> AsyncIterator[None]:
         del app.state.dispatcher
 
 
-async def _connect(client: WorkerClient) -> None:
-    try:
-        welcome = await client.connect()
-    except DispatchError as exc:
-        logger.warning("worker %s unavailable: %s", client.endpoint, exc)
-        return
-    logger.info("connected to worker %s at %s", welcome.worker_id, client.endpoint)
+async def _await_welcomes(clients: list[WorkerClient], timeout_s: float) -> None:
+    """Wait until every client is alive or ``timeout_s`` passed; log who is not (yet)."""
+    waits = [asyncio.ensure_future(c.wait_welcome()) for c in clients]
+    done, pending = await asyncio.wait(waits, timeout=timeout_s)
+    for task in pending:
+        task.cancel()
+    for client, task in zip(clients, waits, strict=True):
+        if task in done and task.exception() is None:
+            logger.info("connected to worker %s at %s", client.name, client.endpoint)
+        elif task in done:
+            logger.error("worker at %s: %s", client.endpoint, task.exception())
+        else:
+            logger.warning("worker at %s is not up yet: connecting in the background",
+                           client.endpoint)
 
 
 @dataclass(frozen=True, slots=True)

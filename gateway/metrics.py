@@ -16,6 +16,8 @@ one observation per token delta. Everything runs on the gateway's event loop, so
     | request_cached_token_ratio                 | histogram |                  | Finished      |
     | worker_up, worker_in_flight_requests       | gauge     | worker           | WorkerClient  |
     | worker_running_requests, worker_waiting_requests | gauge | worker       | LoadReport    |
+    | worker_{reconnects,restarts}_total         | counter   | worker           | WorkerClient  |
+    | dispatch_retries_total                     | counter   | reason           | Dispatcher    |
     | prompt_cache_{hits,misses,fallbacks,evictions,reused_tokens}_total | counter | | PromptCache |
     | prompt_cache_entries, prompt_cache_tokens  | gauge     |                  | PromptCache   |
     | sessions_{created,deleted}_total           | counter   |                  | SessionManager |
@@ -23,7 +25,9 @@ one observation per token delta. Everything runs on the gateway's event loop, so
 
 TTFT is measured from the dispatch of the request (after templating and tokenizing, which the
 request duration includes) to its first ``TokenDelta``, retries included; inter-token latency is
-the gap between consecutive ``TokenDelta`` messages of one request.
+the gap between consecutive ``TokenDelta`` messages of one request. A worker that is not alive
+(lost, reconnecting) shows ``worker_up 0`` and no running/waiting samples (they are not kept
+stale); they come back with its first report after it reconnects.
 """
 
 from __future__ import annotations
@@ -207,19 +211,33 @@ class GatewayMetrics:
                        value=stats.generated_tokens)
 
     def _workers(self) -> Iterator[Metric]:
+        """NOTE: a worker that is not alive (lost, reconnecting) has ``worker_up`` 0 and no
+        running/waiting samples at all (no stale load); they come back with its next report."""
         labels = ["worker"]
-        up = _gauge("worker_up", "1 while the worker answers, 0 once marked dead", labels)
+        up = _gauge("worker_up", "1 while the worker answers, 0 while lost or reconnecting",
+                    labels)
         in_flight = _gauge("worker_in_flight_requests", "Requests this gateway has on it", labels)
         running = _gauge("worker_running_requests", "num_running of its last LoadReport", labels)
         waiting = _gauge("worker_waiting_requests", "num_waiting of its last LoadReport", labels)
+        reconnects = _counter("worker_reconnects", "Times the worker answered again after it "
+                              "was lost (connection lost, silent, restarted)", labels)
+        restarts = _counter("worker_restarts", "Times another worker process (instance_id) "
+                            "answered on the worker's endpoint", labels)
         for client in self.dispatcher.clients:
             key = [client.endpoint]
             up.add_metric(key, float(client.is_alive))
             in_flight.add_metric(key, client.num_in_flight)
-            if (load := client.last_load) is not None:
+            reconnects.add_metric(key, client.num_reconnects)
+            restarts.add_metric(key, client.num_restarts)
+            if client.is_alive and (load := client.last_load) is not None:
                 running.add_metric(key, load.num_running)
                 waiting.add_metric(key, load.num_waiting)
-        yield from (up, in_flight, running, waiting)
+        yield from (up, in_flight, running, waiting, reconnects, restarts)
+        retries = _counter("dispatch_retries", "Requests moved to another worker before their "
+                           "first token, by reason (worker_lost, overloaded)", ["reason"])
+        for reason in ("worker_lost", "overloaded"):
+            retries.add_metric([reason], self.dispatcher.num_retries[reason])
+        yield retries
 
     def _prompt_cache(self) -> Iterator[Metric]:
         cache = self.prompt_cache

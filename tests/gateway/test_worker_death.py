@@ -51,6 +51,7 @@ def client(
 ) -> Iterator[Gateway]:
     """A real HTTP server (TestClient buffers a streamed body whole) in a thread."""
     app = create_app(GatewayConfig(model_dir=tokenizer_dir, workers=(victim.listen, spare.listen),
+                                   model_name="demo",
                                    heartbeat_s=0.1, dead_after_s=DEAD_AFTER_S))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,0 +1,523 @@
+"""An async ZeroMQ client for one engine worker (``WorkerClient``) and the errors of dispatch.
+
+A ``WorkerClient`` owns one DEALER socket. An event-loop reader on the socket's FD drains every
+reply and routes it by ``request_id`` to that request's queue, so many streams share the socket.
+The socket is a plain (not ``zmq.asyncio``) one, read only in non-blocking calls from the loop:
+zmq.asyncio costs a Future and a reader re-registration per message.
+
+Connection life cycle (``start()`` returns at once; ``connect()`` also awaits the first Welcome):
+
+    connecting --Welcome--> alive --(TCP connection lost | silent dead_after_s | new instance)--+
+        ^                                                                                        |
+        +-- ZeroMQ reconnects (every 0.1 s, backing off to 2 s); each new connection says Hello -+
+
+- A task sends a ``GetLoad`` heartbeat every ``heartbeat_s`` while alive; while not alive it sends
+  ``Hello`` again (backing off to ``HELLO_RETRY_MAX_S``) until a ``Welcome`` answers.
+- A socket monitor reports the TCP connection's loss at once (a killed worker's kernel closes
+  it): the client is no longer alive and every in-flight request fails with
+  ``WorkerDead(started)`` at once. NOTE: a DEALER's routing identity is per connection, so the
+  replies of requests sent over a lost connection can never come back, even from the same worker.
+- Nothing at all for ``dead_after_s`` (a hung or stalled worker) does the same, and also sends
+  ``Abort`` for the failed requests, which a stalled worker reads once it runs again.
+- ``Welcome.instance_id`` and ``LoadReport.instance_id`` are new per worker process: another one
+  on the same endpoint without a connection loss seen in between (a restart the monitor did not
+  report) fails the in-flight requests the same way (and aborts them on the new process).
+
+Every ``generate()`` ends in exactly one way: it yields ``Finished`` last, or raises a
+``DispatchError``. Leaving the stream early (``aclose()``, cancellation, a timeout, a slow
+consumer) sends ``Abort``, so a client that went away stops costing the worker anything. This
+module imports only ``engine.protocol`` from the engine: the gateway never loads torch.
+"""
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from engine.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    ClientMsg,
+    ErrorReply,
+    Finished,
+    Generate,
+    GetLoad,
+    Hello,
+    LoadReport,
+    ProtocolError,
+    TokenDelta,
+    Welcome,
+    decode_worker,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+StreamItem = TokenDelta | Finished
+RECONNECT_IVL_MS = 100  # NOTE: ZeroMQ's first reconnect delay, doubled on each failure ...
+RECONNECT_IVL_MAX_MS = 2000  # ... up to this
+HELLO_RETRY_MAX_S = 5.0
+_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+_client_ids = itertools.count()
+
+
+class DispatchError(Exception):
+    """Base of every error a dispatch call raises."""
+
+
+class HandshakeError(DispatchError):
+    """``connect()`` got no ``Welcome`` in time, or the worker speaks another protocol version."""
+
+
+class DispatchTimeout(DispatchError):
+    """A request waited too long for its first token or its next one; it was aborted."""
+
+
+class StreamOverflow(DispatchError):
+    """The consumer fell more than ``max_pending_deltas`` behind; the request was aborted."""
+
+
+class NoWorkerAvailable(DispatchError):
+    """No live worker is left to take a request."""
+
+
+class WorkerError(DispatchError):
+    """The worker ended the request with ``ErrorReply(code, message)``."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class WorkerDead(DispatchError):
+    """The worker stopped answering, lost its connection or restarted. ``started``: the request
+    had streamed at least one delta."""
+
+    def __init__(self, worker: str, started: bool) -> None:
+        super().__init__(f"worker {worker} is not answering (started={started})")
+        self.started = started
+
+
+class _Stream:
+    """The routing state of one in-flight request."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[TokenDelta | Finished | ErrorReply | DispatchError] = (
+            asyncio.Queue()
+        )
+        self.started = False
+        self.overflowed = False
+
+
+class WorkerClient:
+    """An asyncio client for one worker (see the module docstring).
+
+    Args:
+        endpoint: the worker's ROUTER endpoint (``--listen``).
+        connect_timeout_s: how long ``connect()`` waits for the first Welcome.
+        first_token_timeout_s, idle_timeout_s: defaults for ``generate()``.
+        max_pending_deltas: the bound of each request's queue of unread deltas.
+
+    Attributes:
+        is_alive: a Welcome came on the current connection, and nothing was lost since.
+        instance_id: the worker process last heard from (None before the first Welcome).
+        epoch: +1 each time the in-flight requests are lost (connection lost, silence, restart).
+        num_reconnects: times the worker was alive again after being lost.
+        num_restarts: times another ``instance_id`` answered on the endpoint.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        client_id: str | None = None,
+        connect_timeout_s: float = 10.0,
+        first_token_timeout_s: float = 60.0,
+        idle_timeout_s: float = 30.0,
+        heartbeat_s: float = 1.0,
+        dead_after_s: float = 3.0,
+        max_pending_deltas: int = 1024,
+    ) -> None:
+        assert 0 < heartbeat_s < dead_after_s, f"heartbeat_s={heartbeat_s} < {dead_after_s=}"
+        assert min(connect_timeout_s, first_token_timeout_s, idle_timeout_s) > 0
+        assert max_pending_deltas > 0, f"{max_pending_deltas=}"
+        self.endpoint = endpoint
+        self.client_id = client_id or f"gateway-{os.getpid()}-{next(_client_ids)}"
+        self.connect_timeout_s = connect_timeout_s
+        self.first_token_timeout_s = first_token_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.dead_after_s = dead_after_s
+        self.max_pending_deltas = max_pending_deltas
+        self.welcome: Welcome | None = None
+        self.last_load: LoadReport | None = None
+        self.is_alive = False
+        self.instance_id: str | None = None
+        self.epoch = 0
+        self.num_reconnects = 0
+        self.num_restarts = 0
+        self._sock: zmq.Socket[bytes] | None = None
+        self._monitor: zmq.Socket[bytes] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._welcome_waiters: list[asyncio.Future[Welcome]] = []
+        self._streams: dict[str, _Stream] = {}
+        # NOTE: the worker answers GetLoads in order; None marks a heartbeat's report.
+        self._load_waiters: deque[asyncio.Future[LoadReport] | None] = deque()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_seen = 0.0
+        self._is_connected = False  # NOTE: the TCP connection, as the monitor reports it
+        self._was_alive = False
+        self._expect_new_instance = False  # NOTE: a loss was seen: a new instance is no news
+        self._hello_at = 0.0
+        self._hello_retry_s = heartbeat_s
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def name(self) -> str:
+        return self.welcome.worker_id if self.welcome else self.endpoint
+
+    def start(self) -> None:
+        """Open the socket and keep connecting in the background; returns at once.
+
+        ``is_alive`` turns True when the worker's Welcome comes, now or whenever it comes up.
+        """
+        assert self._sock is None, "start() twice"
+        loop = self._loop = asyncio.get_running_loop()
+        sock = self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+        self._monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+        sock.connect(self.endpoint)
+        loop.add_reader(sock.getsockopt(zmq.FD), self._drain)
+        loop.add_reader(self._monitor.getsockopt(zmq.FD), self._drain_monitor)
+        loop.call_soon(self._drain_monitor)  # NOTE: an event may have come before add_reader
+        self._tasks = [loop.create_task(self._supervise())]
+
+    async def connect(self) -> Welcome:
+        """``start()``, then wait for the worker's Welcome.
+
+        Raises:
+            HandshakeError: no Welcome within ``connect_timeout_s``, or a version mismatch
+                (the client is closed then).
+        """
+        self.start()
+        try:
+            return await asyncio.wait_for(self.wait_welcome(), self.connect_timeout_s)
+        except TimeoutError:
+            self.close()
+            msg = f"no Welcome from {self.endpoint} in {self.connect_timeout_s} s"
+            raise HandshakeError(msg) from None
+        except HandshakeError:
+            self.close()
+            raise
+
+    async def wait_welcome(self) -> Welcome:
+        """The next Welcome (at once when alive). Raises ``HandshakeError`` on a version
+        mismatch."""
+        if self.is_alive and self.welcome is not None:
+            return self.welcome
+        assert self._loop is not None, "wait_welcome() before start()"
+        waiter: asyncio.Future[Welcome] = self._loop.create_future()
+        self._welcome_waiters.append(waiter)
+        try:
+            return await waiter
+        finally:
+            if waiter in self._welcome_waiters:
+                self._welcome_waiters.remove(waiter)
+
+    async def generate(
+        self,
+        request: Generate,
+        *,
+        first_token_timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
+    ) -> AsyncIterator[StreamItem]:
+        """Stream one request: its ``TokenDelta``s, then its ``Finished``.
+
+        Leaving early (``aclose()``, cancellation, an error below) aborts it on the worker.
+
+        Raises:
+            WorkerError: the worker answered ``ErrorReply`` for this request.
+            WorkerDead: the worker was lost (or was not alive).
+            DispatchTimeout, StreamOverflow: the request was aborted.
+            DispatchError: not started, closed, or ``request_id`` already in flight here.
+        """
+        rid = request.request_id
+        self._check_can_send(rid)
+        stream = self._streams[rid] = _Stream()
+        ended = False
+        try:
+            if not self._send(request):
+                raise WorkerDead(self.name, started=False)
+            while True:
+                item = await self._next(stream, rid, first_token_timeout_s, idle_timeout_s)
+                if isinstance(item, TokenDelta):
+                    yield item
+                    continue
+                # NOTE: a timeout or an overflow leaves the request running: finally aborts it
+                ended = isinstance(item, Finished | ErrorReply | WorkerDead)
+                if isinstance(item, Finished):
+                    yield item
+                    return
+                if isinstance(item, ErrorReply):
+                    raise WorkerError(item.code, item.message)
+                raise item
+        finally:
+            if self._streams.get(rid) is stream:  # NOTE: _fail_all may have removed it
+                del self._streams[rid]
+            if not ended and self.is_alive and self._sock is not None:
+                self._send(Abort(request_id=rid))
+
+    async def abort(self, request_id: str) -> None:
+        """Ask the worker to stop ``request_id``; its stream ends with ``Finished("abort")``."""
+        if self._sock is not None:
+            self._send(Abort(request_id=request_id))
+
+    async def load(self, timeout_s: float = 5.0) -> LoadReport:
+        """A fresh ``LoadReport`` (answering a GetLoad sent now).
+
+        Raises:
+            DispatchTimeout: no report within ``timeout_s``.
+            WorkerDead: the worker is not alive.
+        """
+        if not self.is_alive or self._sock is None:
+            raise WorkerDead(self.name, started=False)
+        waiter: asyncio.Future[LoadReport] = asyncio.get_running_loop().create_future()
+        self._load_waiters.append(waiter)
+        self._send(GetLoad())
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
+        except TimeoutError:
+            raise DispatchTimeout(f"no LoadReport from {self.name} in {timeout_s} s") from None
+
+    def close(self) -> None:
+        """Stop the tasks, fail what is in flight, close the socket. Safe to call twice."""
+        for task in self._tasks:
+            task.cancel()
+        self._tasks = []
+        self._fail_all(lambda _: DispatchError(f"client of {self.name} closed"))
+        self.is_alive = False
+        self._reject_welcome_waiters(HandshakeError(f"client of {self.endpoint} closed"))
+        if self._sock is None:
+            return
+        sockets = (self._sock, self._monitor)
+        if self._loop is not None and not self._loop.is_closed():
+            for sock in sockets:
+                if sock is not None:
+                    self._loop.remove_reader(sock.getsockopt(zmq.FD))
+        self._sock.disable_monitor()
+        for sock in sockets:
+            if sock is not None:
+                sock.close(linger=0)
+        self._sock = self._monitor = None
+
+    # ------------------------------------------------------------------ private: receive
+
+    def _drain(self) -> None:
+        """Read every queued reply (the loop calls this when the socket's FD is readable).
+
+        NOTE: the FD is edge-triggered: reading ``EVENTS`` re-arms it, so read until POLLIN is off.
+        """
+        sock = self._sock
+        while sock is not None and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._on_message(sock.recv(zmq.NOBLOCK))
+            sock = self._sock  # NOTE: routing may have closed it
+
+    def _on_message(self, data: bytes) -> None:
+        self._last_seen = time.monotonic()
+        try:
+            msg = decode_worker(data)
+        except ProtocolError as exc:
+            logger.error("dropping a reply from %s: %s", self.name, exc)
+            return
+        self._route(msg)
+
+    def _route(self, msg: object) -> None:
+        if type(msg) is TokenDelta:  # NOTE: the common case first
+            if (stream := self._streams.get(msg.request_id)) is not None:
+                self._deliver(stream, msg)
+        elif isinstance(msg, LoadReport):
+            self._on_load(msg)
+        elif isinstance(msg, TokenDelta | Finished | ErrorReply) and msg.request_id is not None:
+            stream = self._streams.get(msg.request_id)
+            if stream is not None:  # NOTE: None = a request we stopped waiting for
+                self._deliver(stream, msg)
+        elif isinstance(msg, Welcome):
+            self._on_welcome(msg)
+        elif isinstance(msg, ErrorReply) and msg.code == "version_mismatch":
+            logger.error("worker at %s: %s", self.endpoint, msg.message)
+            self._reject_welcome_waiters(HandshakeError(f"{self.endpoint}: {msg.message}"))
+        else:
+            logger.error("worker %s: unexpected %r", self.name, msg)
+
+    def _on_welcome(self, msg: Welcome) -> None:
+        self._check_instance(msg.instance_id, is_welcome=True)
+        self.welcome = msg
+        if not self.is_alive:
+            if self._was_alive:
+                self.num_reconnects += 1
+                logger.warning("worker %s at %s is back", msg.worker_id, self.endpoint)
+            self.is_alive = self._was_alive = True
+            self._hello_retry_s = self.heartbeat_s
+        for waiter in self._welcome_waiters:
+            if not waiter.done():
+                waiter.set_result(msg)
+
+    def _on_load(self, msg: LoadReport) -> None:
+        self._check_instance(msg.instance_id, is_welcome=False)
+        if self.is_alive:  # NOTE: no load gauges for a worker that is not alive
+            self.last_load = msg
+        waiter = self._load_waiters.popleft() if self._load_waiters else None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(msg)
+
+    def _check_instance(self, instance_id: str, *, is_welcome: bool) -> None:
+        """Note the worker process that answered; a new one unannounced fails the requests."""
+        if instance_id == self.instance_id:
+            if is_welcome:  # NOTE: the same process answered over the new connection
+                self._expect_new_instance = False
+            return
+        previous, self.instance_id = self.instance_id, instance_id
+        if previous is None:
+            return
+        self.num_restarts += 1
+        logger.warning("worker at %s restarted (instance %s, was %s)", self.endpoint,
+                       instance_id, previous)
+        if self._expect_new_instance:
+            self._expect_new_instance = False
+            return
+        # NOTE: no connection loss seen: the requests in flight may have gone to either process
+        failed = self._lose("restarted unnoticed")
+        for rid in failed:
+            self._send(Abort(request_id=rid))
+        self._say_hello()
+
+    def _deliver(self, stream: _Stream, msg: TokenDelta | Finished | ErrorReply) -> None:
+        if stream.overflowed:
+            return
+        if isinstance(msg, TokenDelta):
+            stream.started = True
+            if stream.queue.qsize() >= self.max_pending_deltas:
+                stream.overflowed = True  # NOTE: generate()'s finally sends the Abort
+                msg = StreamOverflow(f"{msg.request_id}: over {self.max_pending_deltas} unread")
+        stream.queue.put_nowait(msg)
+
+    # ------------------------------------------------------------------ private: connection
+
+    def _drain_monitor(self) -> None:
+        """Handle the socket monitor's events (edge-triggered FD, as ``_drain``)."""
+        monitor = self._monitor
+        while monitor is not None and monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self._is_connected = True
+                self._say_hello()
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._is_connected = False
+                self._expect_new_instance = True
+                if self.is_alive or self._streams:
+                    self._lose("lost its connection")
+            monitor = self._monitor
+
+    async def _supervise(self) -> None:
+        """Heartbeats while alive (and the silence check); Hellos while not."""
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            now = time.monotonic()
+            if self.is_alive and now - self._last_seen > self.dead_after_s:
+                failed = self._lose(f"silent for {now - self._last_seen:.1f} s")
+                for rid in failed:  # NOTE: a stalled worker reads these when it runs again
+                    self._send(Abort(request_id=rid))
+            if self.is_alive:
+                self._load_waiters.append(None)
+                self._send(GetLoad())
+            elif self._is_connected and now - self._hello_at >= self._hello_retry_s:
+                self._say_hello()
+                self._hello_retry_s = min(2 * self._hello_retry_s, HELLO_RETRY_MAX_S)
+
+    def _say_hello(self) -> None:
+        self._hello_at = time.monotonic()
+        self._send(Hello(version=PROTOCOL_VERSION, client_id=self.client_id))
+
+    def _lose(self, why: str) -> list[str]:
+        """Not alive until the next Welcome; every in-flight request fails with
+        ``WorkerDead``. Returns their request ids."""
+        logger.error("worker %s %s: %d requests in flight fail", self.name, why,
+                     len(self._streams))
+        self.is_alive = False
+        self.last_load = None
+        self.epoch += 1
+        self._hello_retry_s = self.heartbeat_s
+        return self._fail_all(lambda s: WorkerDead(self.name, started=s.started))
+
+    def _fail_all(self, error: Callable[[_Stream], DispatchError]) -> list[str]:
+        failed = list(self._streams)
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error(stream))
+        self._streams.clear()  # NOTE: late replies to these requests are dropped
+        for waiter in self._load_waiters:
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(WorkerDead(self.name, started=False))
+        self._load_waiters.clear()
+        return failed
+
+    def _reject_welcome_waiters(self, exc: DispatchError) -> None:
+        for waiter in self._welcome_waiters:
+            if not waiter.done():
+                waiter.set_exception(exc)
+
+    # ------------------------------------------------------------------ private: send
+
+    async def _next(
+        self, stream: _Stream, rid: str, first_s: float | None, idle_s: float | None
+    ) -> TokenDelta | Finished | ErrorReply | DispatchError:
+        if stream.started:
+            timeout_s, what = idle_s or self.idle_timeout_s, "next"
+        else:
+            timeout_s, what = first_s or self.first_token_timeout_s, "first"
+        if not stream.queue.empty():  # NOTE: no timer when the item is already here
+            return stream.queue.get_nowait()
+        try:
+            async with asyncio.timeout(timeout_s):  # NOTE: wait_for would start a Task per item
+                return await stream.queue.get()
+        except TimeoutError:
+            return DispatchTimeout(f"{rid}: no {what} token from {self.name} in {timeout_s} s")
+
+    def _check_can_send(self, rid: str) -> None:
+        if self._sock is None:
+            raise DispatchError(f"client of {self.endpoint} is not connected")
+        if not self.is_alive:
+            raise WorkerDead(self.name, started=False)
+        if rid in self._streams:
+            raise DispatchError(f"request {rid!r} is already in flight on {self.name}")
+
+    def _send(self, msg: ClientMsg) -> bool:
+        """Queue ``msg``; False when the socket's queue is full (the worker is away too long)
+        or the client is closed.
+
+        NOTE: a DEALER queues while its peer is away, so this never blocks: safe in the finally
+        block of a cancelled generator. A send may consume the FD's edge for a reply that arrived
+        meanwhile, so it schedules a drain when one is waiting.
+        """
+        sock = self._sock
+        if sock is None or self._loop is None:
+            return False
+        try:
+            sock.send(encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("send queue to %s is full: dropped %s", self.name, type(msg).__name__)
+            return False
+        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._loop.call_soon(self._drain)
+        return True
