@@ -3,26 +3,40 @@
     agentgate worker --listen tcp://127.0.0.1:5555 --events tcp://127.0.0.1:5556 \\
         [--model DIR] [--backend native|sim] [--replay tcp://...] [...]   (see --help)
 
-``run`` serves until SIGINT/SIGTERM and prints one start line on stderr (``worker ID listening on
-ENDPOINT, events on ENDPOINT``) that ``gateway.serve.spawn_worker`` waits for.
+``run`` serves until SIGINT/SIGTERM and logs one start line on stderr (``worker ID listening on
+ENDPOINT, events on ENDPOINT``) that ``gateway.serve.spawn_worker`` waits for. With
+``--parent-pid PID`` the worker also stops when that process dies (``agentgate serve`` passes its
+own pid), even when it is SIGKILLed.
+
+The flag definitions import no torch (the engine is imported in ``run``), so ``agentgate serve``
+adds the same engine flags to its own parser (``add_engine_arguments``) and forwards what the user
+set to the workers it spawns (``engine_argv``).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
+import os
 import signal
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 
-import engine.worker
-from engine.config import EngineConfig
-from engine.worker import COSTS, Worker, WorkerConfig
+from engine.logs import configure_logging
 
-_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-_DESCRIPTION = (engine.worker.__doc__ or "").split("\n\n")[0]
+# NOTE: engine.worker.COSTS (engine.sim.COST_PRESETS), repeated so that the flags stay torch-free;
+# tests/gateway/test_cli.py checks that the two agree.
+COSTS = ("cpu", "h200", "zero")
+PARENT_POLL_S = 0.5
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,20 +49,75 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                         "reports (topic load)")
     add("--replay", help="ROUTER endpoint for KV event replay (default: none)")
     add("--backend", choices=("native", "sim"), help="default native (or AGENTGATE_BACKEND)")
-    add("--page-size", type=int, help="tokens per KV page (a power of 2; default 16)")
-    add("--kv-budget-mb", type=int, help="KV byte budget in MiB (default 256)")
-    add("--max-batched-tokens", type=int, help="token budget per step (default 512)")
-    add("--no-prefix-cache", action="store_const", const=False, dest="prefix_cache",
-        help="keep no KV of finished requests")
     add("--worker-id", help="name in Welcome and LoadReport (default host-pid)")
-    add("--cost", choices=COSTS, default="cpu", help="sim backend step-time preset")
-    add("--dtype", help="native backend: float32, bfloat16 or auto")
-    add("--device", help="native backend: cpu or cuda (default: cuda if available)")
+    add("--parent-pid", type=int, help="stop when this process dies (agentgate serve sets it)")
+    add_engine_arguments(parser)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> list[argparse.Action]:
+    """The flags that shape the engine, not the worker's endpoints; also offered (and forwarded)
+    by ``agentgate serve``. ``parser`` may be an argument group. Returns the added actions."""
+    add = parser.add_argument
+    return [
+        add("--page-size", type=int, help="tokens per KV page (a power of 2; default 16)"),
+        add("--kv-budget-mb", type=int, help="KV byte budget in MiB (default 256)"),
+        add("--max-batched-tokens", type=int, help="token budget per step (default 512)"),
+        add("--no-prefix-cache", action="store_const", const=False, dest="prefix_cache",
+            help="keep no KV of finished requests"),
+        add("--cost", choices=COSTS, default="cpu", help="sim backend step-time preset"),
+        add("--dtype", help="native backend: float32, bfloat16 or auto"),
+        add("--device", help="native backend: cpu or cuda (default: cuda if available)"),
+        add("--grammar-timeout-s", type=float, default=10.0,
+            help="a grammar compiling longer fails with invalid_grammar (default %(default)s)"),
+        add("--max-grammar-bytes", type=int, default=256 * 2**10,
+            help="largest json_schema/lark text accepted, in bytes (default %(default)s)"),
+        add("--grammar-cache-mb", type=int, default=128,
+            help="compiled-grammar cache bound, estimated MiB (default %(default)s)"),
+        add("--client-timeout-s", type=float, default=10.0,
+            help="abort the requests of a client silent this long (default %(default)s)"),
+    ]
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags set in ``args`` (parsed by a parser with ``add_engine_arguments``) that
+    differ from their defaults, as a worker command line: ``["--cost", "h200", ...]``."""
+    argv: list[str] = []
+    for action in add_engine_arguments(argparse.ArgumentParser(add_help=False)):
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        argv += [action.option_strings[0]] if action.nargs == 0 else [
+            action.option_strings[0], str(value)]
+    return argv
+
+
+def watch_parent(parent_pid: int, on_gone: Callable[[], None]) -> None:
+    """Call ``on_gone`` (from a thread) when ``parent_pid`` is no longer this process's parent.
+
+    NOTE: two mechanisms. Linux's ``PR_SET_PDEATHSIG`` (set at the start of ``run``) delivers
+    SIGTERM the moment the parent dies, even by SIGKILL; this thread polls ``os.getppid()`` every
+    ``PARENT_POLL_S`` as the portable fallback (an orphan is re-parented, so its ppid changes).
+    """
+    def poll() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        logger.warning("parent process %d is gone: stopping", parent_pid)
+        on_gone()
+
+    threading.Thread(target=poll, name="parent-watch", daemon=True).start()
 
 
 def run(args: argparse.Namespace) -> int:
     """Start a worker from parsed flags and serve until SIGINT/SIGTERM; returns the exit status."""
-    logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)
+    configure_logging(f"worker {args.worker_id or os.getpid()}")
+    if args.parent_pid is not None:
+        _die_with_parent()
+        if os.getppid() != args.parent_pid:  # NOTE: the parent died before prctl took effect
+            logger.warning("parent process %d is gone before the start", args.parent_pid)
+            return 0
+    from engine.config import EngineConfig
+    from engine.worker import Worker, WorkerConfig
+
     engine_cfg = EngineConfig.from_env(
         model_path=args.model, backend=args.backend, page_size=args.page_size,
         kv_budget_bytes=args.kv_budget_mb * 2**20 if args.kv_budget_mb else None,
@@ -59,13 +128,17 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--model is required with the native backend")
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     cfg = WorkerConfig(listen=args.listen, events=args.events, replay=args.replay,
-                       cost=args.cost, **extra)
+                       cost=args.cost, grammar_timeout_s=args.grammar_timeout_s,
+                       max_grammar_bytes=args.max_grammar_bytes,
+                       grammar_cache_bytes=args.grammar_cache_mb * 2**20,
+                       client_timeout_s=args.client_timeout_s, **extra)
     worker = Worker(cfg, engine_cfg)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: worker.stop())
+    if args.parent_pid is not None:
+        watch_parent(args.parent_pid, worker.stop)
     listen, events = worker.endpoints
-    print(f"worker {cfg.worker_id} listening on {listen}, events on {events}",
-          file=sys.stderr, flush=True)
+    logger.info("worker %s listening on %s, events on %s", cfg.worker_id, listen, events)
     try:
         worker.serve()
     finally:
@@ -74,7 +147,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=_DESCRIPTION)
+    import engine.worker
+
+    description = (engine.worker.__doc__ or "").split("\n\n")[0]
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -82,3 +158,18 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     except (AssertionError, ValueError, FileNotFoundError, zmq.ZMQError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _die_with_parent() -> bool:
+    """Ask Linux for SIGTERM when the parent dies; False where prctl is not available.
+
+    NOTE: the signal comes when the parent *thread* that forked us ends, so ``agentgate serve``
+    spawns workers only from threads that outlive them (the main thread, the supervisor's).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False

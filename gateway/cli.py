@@ -6,7 +6,7 @@
     agentgate worker --listen tcp://HOST:PORT --events tcp://HOST:PORT [--model DIR] ...
                                       serve one engine over ZeroMQ (``agentgate worker -h``)
     agentgate serve [--model DIR] [--workers N] [--worker tcp://...] [--host H] [--port P]
-                    [--redis URL]
+                    [--redis URL] [...]   (agentgate serve -h)
                                       the OpenAI-compatible gateway over N worker subprocesses
 
 Heavy modules (torch, the engine) are imported inside the commands, so ``agentgate --help`` and
@@ -21,8 +21,9 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 DEMO_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -129,16 +130,42 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from gateway.serve import ServeError, serve
 
+    try:
+        return serve(**serve_kwargs(args))
+    except ServeError as e:
+        raise CliError(str(e)) from None
+
+
+def serve_kwargs(args: argparse.Namespace, env: Mapping[str, str] | None = None
+                 ) -> dict[str, Any]:
+    """``gateway.serve.serve``'s arguments from ``agentgate serve``'s flags and ``env`` (the
+    process environment by default: the one place the gateway's variables are read)."""
+    from engine.worker_cli import engine_argv
+    from gateway.http_server import HttpLimits
+    from gateway.tenant_secret import default_secret_path, load_tenant_secret
+
+    env = os.environ if env is None else env
     model_dir = Path(args.model) if args.model else ensure_demo_model(default_model_dir())
     num_workers = args.workers if args.workers is not None else (0 if args.worker else 1)
     if num_workers < 0 or not (num_workers or args.worker):
         raise CliError("need --workers >= 1 or at least one --worker endpoint")
-    try:
-        return serve(model_dir=model_dir, num_workers=num_workers, attach=args.worker,
-                     host=args.host, port=args.port, backend=args.backend,
-                     redis_url=args.redis)
-    except ServeError as e:
-        raise CliError(str(e)) from None
+    secret_path = (Path(args.tenant_secret_file) if args.tenant_secret_file
+                   else default_secret_path(env.get("XDG_CONFIG_HOME")))
+    return {
+        "model_dir": model_dir, "num_workers": num_workers, "attach": args.worker,
+        "host": args.host, "port": args.port, "backend": args.backend, "redis_url": args.redis,
+        "worker_args": engine_argv(args),
+        "limits": HttpLimits(
+            header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+            max_connections=args.max_connections, drain_timeout_s=args.drain_timeout),
+        "gateway_options": {
+            "first_token_timeout_s": args.first_token_timeout,
+            "idle_timeout_s": args.idle_timeout,
+            "served_model_names": tuple(args.served_model_name),
+            "cors_origins": tuple(args.cors_origin),
+            "tenant_secret": load_tenant_secret(secret_path, env.get("AGENTGATE_TENANT_SECRET")),
+        },
+    }
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -171,20 +198,85 @@ def _build_parser() -> argparse.ArgumentParser:
                             "(flags: agentgate worker -h)")
     worker.set_defaults(func=_cmd_worker, forward_args=True)
 
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible gateway and its workers")
-    serve.add_argument("--model", help="model directory (default: the demo model)")
-    serve.add_argument("--workers", type=int, default=None,
-                       help="worker subprocesses to start (default 1, 0 with --worker)")
-    serve.add_argument("--worker", action="append", default=[], metavar="tcp://HOST:PORT",
-                       help="attach to a worker started elsewhere (repeatable)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--backend", choices=("native", "sim"), default="native",
-                       help="backend of the spawned workers")
-    serve.add_argument("--redis", metavar="URL", default=None,
-                       help="keep sessions in Redis (redis://host:port/db; default: in memory)")
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible gateway and its workers",
+                           formatter_class=_DefaultsFormatter)
+    _add_serve_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
     return parser
+
+
+def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    from engine.worker_cli import add_engine_arguments
+
+    add = serve.add_argument
+    add("--model", help="model directory (default: the demo model)")
+    add("--workers", type=int, default=None,
+        help="worker subprocesses to start (default 1, 0 with --worker)")
+    add("--worker", action="append", default=[], metavar="tcp://HOST:PORT",
+        help="attach to a worker started elsewhere (repeatable)")
+    add("--host", default="127.0.0.1", help="address to listen on")
+    add("--port", type=int, default=8000, help="port to listen on")
+    add("--backend", choices=("native", "sim"), default="native",
+        help="backend of the spawned workers")
+    add("--redis", metavar="URL", default=None,
+        help="keep sessions in Redis (redis://host:port/db; default: in memory)")
+    add("--served-model-name", action="append", default=[], metavar="NAME",
+        help="a model name clients may ask for (repeatable; the first is the one answered; "
+             "default: the model directory's name)")
+    add("--cors-origin", action="append", default=[], metavar="ORIGIN",
+        help="allow browser requests from ORIGIN (repeatable; default: no CORS)")
+    add("--tenant-secret-file", metavar="PATH", default=None,
+        help="the per-deployment key of tenant ids, created (0600, random) when missing; "
+             "AGENTGATE_TENANT_SECRET overrides it (default: "
+             "$XDG_CONFIG_HOME/agentgate/tenant-secret or ~/.config/agentgate/tenant-secret)")
+    add("--first-token-timeout", type=_positive, default=60.0, metavar="S",
+        help="a request whose first token takes longer ends with 504")
+    add("--idle-timeout", type=_positive, default=30.0, metavar="S",
+        help="a request whose next token takes longer ends with 504")
+    http = serve.add_argument_group("HTTP server")
+    http.add_argument("--header-timeout", type=_positive, default=10.0, metavar="S",
+                      help="a request head (request line + headers) must arrive within this "
+                           "(408, connection closed)")
+    http.add_argument("--body-timeout", type=_positive, default=30.0, metavar="S",
+                      help="a request body may stall this long between two pieces (408)")
+    http.add_argument("--max-connections", type=_positive_int, default=2048, metavar="N",
+                      help="connections served at once; requests on more get 503")
+    http.add_argument("--drain-timeout", type=_non_negative, default=30.0, metavar="S",
+                      help="on SIGINT/SIGTERM, requests in flight may finish for this long; "
+                           "then they end with an error")
+    add_engine_arguments(serve.add_argument_group(
+        "spawned workers", "engine settings passed to every worker that serve starts"))
+
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` after a flag's help, unless the default is None or empty (then
+    the help says what happens) or the help already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, [], False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
 
 
 def _version() -> str:

@@ -1,89 +1,38 @@
-"""``agentgate serve``: start worker subprocesses (``python -m engine.worker``) on free ports, wait
-for their start lines, and run the gateway app on an ASGI server; stopping it stops the workers.
+"""``agentgate serve``: bind the gateway's port, start worker subprocesses
+(``python -m engine.worker``) on free ports and keep them running (``gateway.supervisor``), and
+run the gateway app on the HTTP server of ``gateway.http_server`` until SIGINT or SIGTERM; then
+drain, stop the workers and return.
 
-The gateway process never imports torch: the engine only runs in the worker subprocesses.
+The workers die with this process even when it is SIGKILLed (``--parent-pid``). The gateway
+process never imports torch: the engine only runs in the worker subprocesses.
 """
 
-import re
+import errno
+import logging
 import signal
-import subprocess
-import sys
+import socket
 import threading
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-ANY_PORT = "tcp://127.0.0.1:0"
-START_LINE = re.compile(r"worker (\S+) listening on (\S+), events on (\S+)")
-START_TIMEOUT_S = 120.0
+from engine.logs import configure_logging
+from gateway.http_server import HttpLimits
+from gateway.supervisor import Supervisor, stop_workers
+from gateway.worker_process import (
+    ANY_PORT,
+    START_LINE,
+    START_TIMEOUT_S,
+    ServeError,
+    WorkerProcess,
+    echo_worker_logs,
+    spawn_worker,
+)
 
+__all__ = ["ANY_PORT", "START_LINE", "START_TIMEOUT_S", "ServeError", "WorkerProcess", "serve",
+           "spawn_worker"]
 
-class ServeError(Exception):
-    """A worker did not start, or no ASGI server is installed."""
-
-
-@dataclass
-class WorkerProcess:
-    """One worker subprocess; ``stderr`` keeps every line it wrote (drained by a thread)."""
-
-    proc: subprocess.Popen[str]
-    worker_id: str
-    listen: str
-    events: str
-    stderr: list[str] = field(default_factory=list)
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
-        """Send ``sig``, then SIGKILL after ``timeout_s``. Safe to call twice."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=timeout_s)
-
-
-def spawn_worker(
-    *,
-    model_dir: Path | None,
-    backend: str = "native",
-    worker_id: str | None = None,
-    extra_args: Sequence[str] = (),
-    timeout_s: float = START_TIMEOUT_S,
-) -> WorkerProcess:
-    """Start a worker on free ports and wait (at most ``timeout_s``) for its start line.
-
-    Raises:
-        ServeError: the worker exited or did not print its start line in time (its stderr).
-    """
-    cmd = [sys.executable, "-m", "engine.worker", "--backend", backend,
-           "--listen", ANY_PORT, "--events", ANY_PORT, *extra_args]
-    if model_dir is not None:
-        cmd += ["--model", str(model_dir)]
-    if worker_id is not None:
-        cmd += ["--worker-id", worker_id]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    threading.Thread(target=_pump, args=(proc, lines), daemon=True).start()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        if m := next(filter(None, map(START_LINE.search, list(lines))), None):
-            return WorkerProcess(proc, m[1], m[2], m[3], lines)
-        time.sleep(0.05)
-    WorkerProcess(proc, "?", "", "").stop()
-    raise ServeError(f"worker did not start (rc={proc.returncode}):\n{''.join(lines)}")
-
-
-def _pump(proc: subprocess.Popen[str], lines: list[str]) -> None:
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        lines.append(line)
-        if _ECHO.is_set():
-            sys.stderr.write(line)
-
-
-_ECHO = threading.Event()  # NOTE: set by serve() so that worker logs reach the terminal
+logger = logging.getLogger("gateway.serve")
 
 
 def serve(
@@ -95,35 +44,123 @@ def serve(
     port: int,
     backend: str,
     redis_url: str | None = None,
+    worker_args: Sequence[str] = (),
+    limits: HttpLimits | None = None,
+    gateway_options: Mapping[str, Any] | None = None,
 ) -> int:
-    """Spawn ``num_workers`` workers (none when ``attach`` is given and ``num_workers`` is 0),
-    run the app until Ctrl-C, stop the workers. ``redis_url``: the session store (checked
-    first: an unreachable Redis is a ``ServeError``); None keeps sessions in memory."""
+    """Serve until SIGINT/SIGTERM; returns the exit status.
+
+    Args:
+        num_workers: workers to spawn (may be 0 when ``attach`` names workers started elsewhere).
+        redis_url: the session store (checked first: an unreachable Redis is a ``ServeError``);
+            None keeps sessions in memory.
+        worker_args: extra flags for every spawned worker (``engine.worker_cli.engine_argv``).
+        limits: the HTTP server's timeouts, connection cap and drain timeout.
+        gateway_options: more ``GatewayConfig`` fields (timeouts, model names, CORS, secret).
+
+    Raises:
+        ServeError: no ASGI server, Redis unreachable, the port taken, a worker did not start.
+    """
     try:
-        import uvicorn
+        from gateway.http_server import make_server
     except ImportError:
-        raise ServeError("no ASGI server installed: pip install uvicorn") from None
+        raise ServeError("no ASGI server installed: pip install uvicorn httptools") from None
     from gateway.app import GatewayConfig, create_app
 
+    configure_logging("gateway")
     if redis_url is not None:
         _check_redis(redis_url)
-    _ECHO.set()
+    sock = bind_socket(host, port)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # NOTE: while workers start
+    echo_worker_logs()
     workers: list[WorkerProcess] = []
+    supervisor: Supervisor | None = None
     try:
+        spawn = _spawner(model_dir, backend, worker_args)
         for i in range(num_workers):
-            workers.append(spawn_worker(model_dir=model_dir, backend=backend, worker_id=f"w{i}"))
+            workers.append(spawn(f"w{i}", ANY_PORT, ANY_PORT, threading.Event()))
+        supervisor = Supervisor(workers, spawn)
+        supervisor.start()
         endpoints = (*attach, *(w.listen for w in workers))
         cfg = GatewayConfig(model_dir=model_dir, workers=endpoints, host=host, port=port,
-                            redis_url=redis_url)
-        print(f"agentgate: gateway on http://{host}:{port}/v1 over {len(endpoints)} worker(s)",
-              file=sys.stderr)
-        # NOTE: no access log (one logging call per request on the hot path; /metrics counts
-        # requests by endpoint and status instead)
-        uvicorn.run(create_app(cfg), host=host, port=port, log_level="warning", access_log=False)
+                            redis_url=redis_url, **(gateway_options or {}))
+        app = create_app(cfg)
+        _adopt_library_loggers()  # NOTE: after create_app, which installs Litestar's logging
+        server = make_server(
+            app, host=host, limits=limits or HttpLimits(),
+            on_started=lambda: _on_started(app, supervisor, f"http://{host}:{port}/v1",
+                                           len(endpoints)),
+            on_drain_timeout=lambda: _end_in_flight(app),
+        )
+        server.run(sockets=[sock])
     finally:
-        for worker in workers:
-            worker.stop()
+        if supervisor is not None:
+            supervisor.stop()
+        stop_workers(workers)
+        sock.close()
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The gateway's listening socket, bound (not yet listening) before any worker starts, so a
+    taken port fails fast and nobody takes it meanwhile.
+
+    Raises:
+        ServeError: the address is in use or cannot be bound.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        hint = " (another server listens there; pick another --port)" if (
+            e.errno == errno.EADDRINUSE) else ""
+        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
+    return sock
+
+
+def _spawner(model_dir: Path, backend: str, worker_args: Sequence[str]) -> Any:
+    def spawn(worker_id: str, listen: str, events: str, cancel: threading.Event
+              ) -> WorkerProcess:
+        return spawn_worker(model_dir=model_dir, backend=backend, worker_id=worker_id,
+                            extra_args=worker_args, listen=listen, events=events,
+                            die_with_parent=True, cancel=cancel)
+
+    return spawn
+
+
+def _on_started(app: Any, supervisor: Supervisor, url: str, num_workers: int) -> None:
+    metrics = app.state.get("metrics")
+    if metrics is not None:
+        metrics.registry.register(supervisor)
+    logger.info("gateway on %s over %d worker(s)", url, num_workers)
+
+
+def _end_in_flight(app: Any) -> None:
+    """The drain timeout passed: fail every request still waiting on a worker, so each ends with
+    the usual error (an SSE error event, a 5xx JSON) instead of a cut connection."""
+    dispatcher = app.state.get("dispatcher")
+    if dispatcher is None:
+        return
+    logger.warning("drain timeout: ending the requests still in flight")
+    for client in dispatcher.clients:
+        client.close()
+
+
+def _adopt_library_loggers() -> None:
+    """Make Litestar's logger write through the root handler (``engine.logs``' format)."""
+    for name in ("litestar",):
+        lib_logger = logging.getLogger(name)
+        lib_logger.handlers.clear()
+        lib_logger.propagate = True
+    configure_logging("gateway")
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _check_redis(url: str) -> None:
