@@ -52,7 +52,8 @@ def load_model(model_dir: Path, name: str | None = None) -> ModelState:
 @asynccontextmanager
 async def model_lifespan(app: Litestar) -> AsyncIterator[None]:
     cfg = app.state.cfg
-    app.state.model = await asyncio.to_thread(load_model, cfg.model_dir, cfg.model_name)
+    name = (cfg.served_model_names or (cfg.model_name,))[0]  # NOTE: the name in responses
+    app.state.model = await asyncio.to_thread(load_model, cfg.model_dir, name)
     try:
         yield
     finally:

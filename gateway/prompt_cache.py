@@ -27,9 +27,11 @@ Two properties of the template make this exact, and both are checked rather than
   added tokens are split out before the model runs, so nothing merges across them. Otherwise the
   request falls back to a full encode.
 
-Not thread-safe: the gateway calls it from its event loop.
+Thread-safe: the gateway encodes small prompts on its event loop and large ones on a thread; a
+lock guards the entries and the stats, never the rendering or tokenizing.
 """
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -44,6 +46,12 @@ from gateway.tokenizer.template import Message
 from sessions.prompt import PieceRenderer, cut_ids_of
 
 _JSON = msgspec.json.Encoder(order="sorted")
+DEFAULT_MAX_BYTES = 128 * 1024 * 1024
+# NOTE: an upper bound on what one stored token costs: an 8-byte list slot plus a 28-byte int
+# object (ids above 256 are not interned; turns of one conversation share their prefix's ints,
+# which this ignores, so real use is lower). Plus a list header, an OrderedDict node and a key.
+TOKEN_BYTES = 36
+ENTRY_BYTES = 200
 
 
 class EncodedPrompt(NamedTuple):
@@ -64,28 +72,30 @@ class PromptCacheStats:
 
 
 class PromptCache:
-    """Token ids of recent conversations, bounded by `max_entries` and by `max_tokens` stored
+    """Token ids of recent conversations, bounded by `max_entries` and by `max_bytes` of memory
     (least recently used first out). Tenants with different `cache_salt` never share entries;
     different `tools` (or another chat template) never share entries either.
 
-    NOTE: the bound is what keeps the gateway's memory flat. A stored token costs 8 bytes (a list
-    slot) plus, once per conversation, a 28-byte int for ids above 256 (turns of one conversation
-    share their prefix's ints), so the default 4M tokens is ~40-150 MB. A conversation pushed out
-    is rendered and tokenized in full on its next turn: correct, only slower.
+    NOTE: the byte bound is what keeps the gateway's memory flat. Each entry is charged
+    `ENTRY_BYTES + TOKEN_BYTES * len(ids)`, an upper bound on what it holds (the default 128 MiB
+    is at least 3.7M tokens); an entry over the whole bound is not stored. A conversation pushed
+    out is rendered and tokenized in full on its next turn: correct, only slower.
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, max_entries: int = 10_000, max_tokens: int = 4_000_000
+        self, tokenizer: Tokenizer, max_entries: int = 10_000, max_bytes: int = DEFAULT_MAX_BYTES
     ) -> None:
-        assert max_entries > 0 and max_tokens > 0, f"{max_entries=}, {max_tokens=}: must be > 0"
+        assert max_entries > 0 and max_bytes > 0, f"{max_entries=}, {max_bytes=}: must be > 0"
         self._tokenizer = tokenizer
         self.max_entries = max_entries
-        self.max_tokens = max_tokens
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
         template = (tokenizer.chat_template or "").encode()
         self._template_hash = xxhash.xxh3_64_intdigest(template)
         self._pieces = PieceRenderer(tokenizer, cut_ids_of(tokenizer))
         self._entries: OrderedDict[int, list[int]] = OrderedDict()
         self._num_tokens = 0
+        self._num_bytes = 0
         self._verified: set[tuple[bool, bool]] = set()  # (has_tools, is_hit) checked once
         self._unstable: set[bool] = set()  # has_tools values that always render in full
         self.stats = PromptCacheStats()
@@ -106,7 +116,8 @@ class PromptCache:
         try:
             return self._encode(messages, tools, cache_salt)
         finally:
-            self.stats.cpu_s += time.thread_time() - t0
+            with self._lock:
+                self.stats.cpu_s += time.thread_time() - t0
 
     def _encode(
         self,
@@ -118,7 +129,8 @@ class PromptCache:
         if not messages or has_tools in self._unstable:
             return self._full(messages, tools, count_fallback=bool(messages))
         hashes = message_hashes(self._seed(tools, cache_salt), messages)
-        num_cached, prefix_ids = self._longest_prefix(hashes)
+        with self._lock:  # NOTE: entries are never mutated, only replaced: no copy needed
+            num_cached, prefix_ids = self._longest_prefix(hashes)
         pieces = self._pieces.pieces(messages, tools, num_cached, prefix_ids)
         if pieces is None:
             return self._full(messages, tools, count_fallback=True)
@@ -127,8 +139,9 @@ class PromptCache:
         kind = (has_tools, num_cached > 0)
         if kind not in self._verified and not self._verify(kind, messages, tools, token_ids):
             return self._full(messages, tools, count_fallback=True)
-        self._count(num_cached, len(prefix_ids), len(body_ids) + len(gen_ids))
-        self._store(hashes, num_cached, [*prefix_ids, *body_ids])
+        with self._lock:
+            self._count(num_cached, len(prefix_ids), len(body_ids) + len(gen_ids))
+            self._store(hashes, num_cached, [*prefix_ids, *body_ids])
         return EncodedPrompt(token_ids, len(prefix_ids), rendered_chars)
 
     @property
@@ -139,6 +152,11 @@ class PromptCache:
     def num_tokens(self) -> int:
         """Token ids held over all entries."""
         return self._num_tokens
+
+    @property
+    def num_bytes(self) -> int:
+        """Memory charged to the entries (an upper bound, see the class docstring)."""
+        return self._num_bytes
 
     def _seed(self, tools: Sequence[Mapping[str, Any]] | None, cache_salt: str | None) -> int:
         identity = _JSON.encode([self._template_hash, tools, cache_salt])
@@ -158,11 +176,13 @@ class PromptCache:
         tools: Sequence[Mapping[str, Any]] | None,
         token_ids: list[int],
     ) -> bool:
-        if self._tokenizer.encode_chat(messages, tools, add_generation_prompt=True) == token_ids:
-            self._verified.add(kind)
-            return True
-        self._unstable.add(kind[0])
-        return False
+        same = self._tokenizer.encode_chat(messages, tools, add_generation_prompt=True) == token_ids
+        with self._lock:
+            if same:
+                self._verified.add(kind)
+            else:
+                self._unstable.add(kind[0])
+        return same
 
     def _full(
         self,
@@ -173,9 +193,10 @@ class PromptCache:
     ) -> EncodedPrompt:
         text = self._tokenizer.apply_chat_template(messages, tools, add_generation_prompt=True)
         token_ids = self._tokenizer.encode(text)
-        self.stats.misses += 1
-        self.stats.fallbacks += count_fallback
-        self.stats.tokenized_tokens += len(token_ids)
+        with self._lock:
+            self.stats.misses += 1
+            self.stats.fallbacks += count_fallback
+            self.stats.tokenized_tokens += len(token_ids)
         return EncodedPrompt(token_ids, 0, len(text))
 
     def _count(self, num_cached: int, reused_tokens: int, tokenized_tokens: int) -> None:
@@ -187,26 +208,40 @@ class PromptCache:
             self.stats.misses += 1
 
     def _store(self, hashes: list[int], num_cached: int, token_ids: list[int]) -> None:
+        """Only safe while locked. NOTE: an entry found before rendering may have been evicted
+        by another thread since, hence the membership checks."""
         key = hashes[-1]
         if num_cached == len(hashes):  # the same conversation again: just refresh it
-            self._entries.move_to_end(key)
+            if key in self._entries:
+                self._entries.move_to_end(key)
             return
-        if num_cached:
+        if num_cached and (prefix := hashes[num_cached - 1]) in self._entries:
             # NOTE: the prefix just extended is demoted to least recently used rather than
             # dropped: its extension is what the next turn will hit, but a branch off the same
             # prefix (a retry, a sub-agent) can still find it until memory runs short.
-            self._entries.move_to_end(hashes[num_cached - 1], last=False)
-        if len(token_ids) > self.max_tokens:
+            self._entries.move_to_end(prefix, last=False)
+        if entry_bytes(len(token_ids)) > self.max_bytes:
             return
+        old = self._entries.pop(key, None)
+        if old is not None:  # NOTE: another thread stored the same conversation meanwhile
+            self._num_tokens -= len(old)
+            self._num_bytes -= entry_bytes(len(old))
         self._entries[key] = token_ids
         self._num_tokens += len(token_ids)
+        self._num_bytes += entry_bytes(len(token_ids))
         self._evict()
 
     def _evict(self) -> None:
-        while len(self._entries) > self.max_entries or self._num_tokens > self.max_tokens:
+        while len(self._entries) > self.max_entries or self._num_bytes > self.max_bytes:
             _, token_ids = self._entries.popitem(last=False)
             self._num_tokens -= len(token_ids)
+            self._num_bytes -= entry_bytes(len(token_ids))
             self.stats.evictions += 1
+
+
+def entry_bytes(num_tokens: int) -> int:
+    """What an entry of ``num_tokens`` ids is charged against ``max_bytes``."""
+    return ENTRY_BYTES + TOKEN_BYTES * num_tokens
 
 
 def message_hashes(seed: int, messages: Sequence[Message]) -> list[int]:

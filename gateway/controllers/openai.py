@@ -1,25 +1,32 @@
 """OpenAI-compatible endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (JSON,
-or SSE with ``stream``), ``GET /v1/models``.
+or SSE with ``stream``), ``GET /v1/models`` and ``GET /v1/models/{id}``.
 
-A request goes: decode (``RequestError`` names the parameter) -> prompt ids (``PromptCache`` for
-chat) -> ``to_sampling_spec`` -> ``generation.start`` -> ``generation.chat_deltas`` /
-``chat_result`` / ``pieces``; this module only shapes the OpenAI bodies and SSE events. An error
-after the first token can only be an SSE ``error`` event, followed by ``[DONE]``.
+A request goes: decode (``RequestError`` names the parameter; the cheap bounds of
+``gateway.schemas.limits``) -> model name (404 ``model_not_found``) -> characters against the
+context -> prompt ids (``PromptCache`` for chat) -> ``to_sampling_spec`` -> ``generation.start``
+-> ``generation.chat_deltas`` / ``chat_result`` / ``pieces``; this module only shapes the OpenAI
+bodies and SSE events. An error after the first token can only be an SSE ``error`` event,
+followed by ``[DONE]``.
+
+NOTE: decoding, rendering and tokenizing an input over ``large_input_chars`` run on a thread
+(at most ``PROMPT_THREADS`` at once), so that one huge body never stalls the event loop; small
+ones stay inline, where a thread hop would cost more than the work.
 """
 
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
+import anyio
+import anyio.to_thread
 import jinja2
 import msgspec
 from litestar import Controller, Request, Response, get, post
-from litestar.di import NamedDependency
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
-from engine.protocol import Finished
-from gateway.dispatch import Dispatcher, DispatchError
+from engine.protocol import Finished, TokenDelta
+from gateway.dispatch import DispatchError
 from gateway.generation import (
     ChatDelta,
     OutputOptions,
@@ -51,22 +58,33 @@ from gateway.schemas import (
     Model,
     ModelList,
     RequestError,
+    Usage,
     decode_chat_request,
     decode_completion_request,
     error_body,
     to_sampling_spec,
 )
+from gateway.schemas.decode import check_logit_bias, check_max_tokens, prompt_chars
+from gateway.schemas.limits import DEFAULT_LIMITS, max_prompt_chars
 from gateway.tenancy import cache_salt, tenant_of
 
 _JSON = msgspec.json.Encoder()
+PROMPT_THREADS = 2  # NOTE: large inputs at once; more would only share the same cores
+_T = TypeVar("_T")
 
 
 class ModelsController(Controller):
     path = "/v1/models"
 
     @get(sync_to_thread=False)
-    def list_models(self, model: NamedDependency[ModelState]) -> ModelList:
-        return ModelList(data=[Model(id=model.name)])
+    def list_models(self, request: Request[Any, Any, Any]) -> ModelList:
+        return ModelList(data=[Model(id=name) for name in served_names(request)])
+
+    @get("/{model_id:path}", sync_to_thread=False)
+    def retrieve(self, request: Request[Any, Any, Any], model_id: str) -> Model:
+        name = model_id.removeprefix("/")
+        _check_model(request, name)
+        return Model(id=name)
 
 
 class CompletionsController(Controller):
@@ -74,12 +92,17 @@ class CompletionsController(Controller):
 
     @post(status_code=200)
     async def create(self, request: Request[Any, Any, Any]) -> Response[Any]:
-        model, dispatcher = _resources(request)
-        req = decode_completion_request(await request.body())
-        prompt = model.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
+        model = _model(request)
+        body = await request.body()
+        req = await _maybe_off_loop(request, len(body), decode_completion_request, body)
+        _check_request(request, req, model)
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            _check_prompt_chars(len(prompt), model, "prompt")
+            prompt = await _maybe_off_loop(request, len(prompt), model.tokenizer.encode, prompt)
         _check_vocab(prompt, model.vocab_size)
         salt = cache_salt(tenant_of(request))
-        head, started = await _start(dispatcher, model, req, list(prompt), "prompt", salt)
+        head, started = await _start(request, model, req, list(prompt), "prompt", salt)
         if req.stream:
             return ServerSentEvent(_completion_sse(head, req, started, model))
         return Response(await _completion(head, req, started, model))
@@ -90,14 +113,20 @@ class ChatCompletionsController(Controller):
 
     @post(status_code=200)
     async def create(self, request: Request[Any, Any, Any]) -> Response[Any]:
-        model, dispatcher = _resources(request)
-        req = decode_chat_request(await request.body())
+        model = _model(request)
+        body = await request.body()
+        req = await _maybe_off_loop(request, len(body), decode_chat_request, body)
+        _check_request(request, req, model)
+        num_chars = prompt_chars(req.messages)
+        _check_prompt_chars(num_chars, model, "messages")
         salt = cache_salt(tenant_of(request))
-        input_ids = _chat_prompt(req, model, salt)
-        head, started = await _start(dispatcher, model, req, input_ids, "messages", salt)
+        input_ids = await _maybe_off_loop(request, num_chars, _chat_prompt, req, model, salt)
+        head, started = await _start(request, model, req, input_ids, "messages", salt)
         parse_tools = bool(req.tools) and req.tool_choice != "none"
         opts = OutputOptions(req.stop_strings, parse_tools, logprobs=bool(req.logprobs))
         if req.stream:
+            if req.continuous_usage:
+                started = _counting(started, len(input_ids))
             return ServerSentEvent(_chat_sse(head, req, started, model, opts))
         result = await chat_result(started, model, opts)
         logprobs = None if result.logprobs is None else ChoiceLogprobs(content=result.logprobs)
@@ -110,12 +139,11 @@ class ChatCompletionsController(Controller):
         ))
 
 
-def _resources(request: Request[Any, Any, Any]) -> tuple[ModelState, Dispatcher]:
-    """The app's model and dispatcher. NOTE: read from the app state rather than injected: on
-    this hot path litestar's dependency resolution (an anyio task group per request) cost ~10 %
-    of the gateway's CPU per request (``loadtest/bench_gateway.py``)."""
-    state = request.app.state
-    return state.model, state.dispatcher
+def _model(request: Request[Any, Any, Any]) -> ModelState:
+    """The app's model (and ``state.dispatcher``). NOTE: read from the app state rather than
+    injected: on this hot path litestar's dependency resolution (an anyio task group per
+    request) cost ~10 % of the gateway's CPU per request (``loadtest/bench_gateway.py``)."""
+    return request.app.state.model
 
 
 class _Head(msgspec.Struct, frozen=True):
@@ -127,24 +155,104 @@ class _Head(msgspec.Struct, frozen=True):
 
 
 async def _start(
-    dispatcher: Dispatcher,
+    request: Request[Any, Any, Any],
     model: ModelState,
     req: ChatCompletionRequest | CompletionRequest,
     input_ids: list[int],
     param: str,
     salt: str | None,
 ) -> tuple[_Head, Started]:
-    """Check the context (a 400 on ``param``), send the request, await its first item."""
+    """Check the context (a 400 ``context_length_exceeded`` on ``param`` or the max-tokens
+    field), send the request, await its first item."""
     left = check_context(model, len(input_ids), param)
+    check_max_tokens(req, len(input_ids), model.max_context)
     spec = to_sampling_spec(
         req, default_max_tokens=left, stop_token_ids=model.tokenizer.eos_token_ids
     )
     prefix = "chatcmpl" if param == "messages" else "cmpl"
     generate = build_generate(
-        input_ids, spec, request_id=new_request_id(prefix), cache_salt=salt, stream=req.stream
+        input_ids, spec, request_id=new_request_id(prefix), cache_salt=salt, stream=req.stream,
+        session_id=_affinity_key(req, salt),
     )
-    started = await start(dispatcher, generate)
-    return _Head(generate.request_id, model.name, int(time.time())), started
+    started = await start(request.app.state.dispatcher, generate)
+    return _Head(generate.request_id, served_names(request)[0], int(time.time())), started
+
+
+def served_names(request: Request[Any, Any, Any]) -> tuple[str, ...]:
+    """The names the model answers to (``GatewayConfig.served_model_names``; empty:
+    ``model_name`` or the model directory's name); the first is the one in responses."""
+    cfg = request.app.state.cfg
+    return cfg.served_model_names or (cfg.model_name or cfg.model_dir.name,)
+
+
+def _check_model(request: Request[Any, Any, Any], name: str) -> None:
+    if name not in served_names(request):
+        raise RequestError(
+            f"The model '{name}' does not exist; this gateway serves "
+            f"{', '.join(served_names(request))}.",
+            param="model", code="model_not_found", status=404,
+        )
+
+
+def _check_request(
+    request: Request[Any, Any, Any],
+    req: ChatCompletionRequest | CompletionRequest,
+    model: ModelState,
+) -> None:
+    _check_model(request, req.model)
+    check_logit_bias(req.logit_bias, model.vocab_size or model.tokenizer.vocab_size)
+
+
+def _check_prompt_chars(num_chars: int, model: ModelState, param: str) -> None:
+    """Refuse, before tokenizing, a prompt too long for the context whatever its tokens."""
+    bound = max_prompt_chars(model.max_context, model.tokenizer.max_token_chars)
+    if num_chars > bound:
+        raise RequestError(
+            f"The {param} hold {num_chars} characters: more than this model's context of "
+            f"{model.max_context} tokens can hold (at most {bound} characters).",
+            param=param, code="context_length_exceeded",
+        )
+
+
+def _affinity_key(req: ChatCompletionRequest | CompletionRequest, salt: str | None) -> str | None:
+    """``prompt_cache_key`` as the worker affinity key (``Generate.session_id``): requests that
+    share it go to the same worker, where their common prefix is cached. Per tenant."""
+    key = getattr(req, "prompt_cache_key", None)
+    return None if key is None else f"prompt-cache-key:{salt or ''}:{key}"
+
+
+async def _maybe_off_loop(
+    request: Request[Any, Any, Any], size: int, fn: Callable[..., _T], *args: Any
+) -> _T:
+    """``fn(*args)``, on a thread when ``size`` (characters or bytes) is large."""
+    if size <= DEFAULT_LIMITS.large_input_chars:
+        return fn(*args)
+    state = request.app.state
+    if "prompt_limiter" not in state:
+        state.prompt_limiter = anyio.CapacityLimiter(PROMPT_THREADS)
+    return await anyio.to_thread.run_sync(lambda: fn(*args), limiter=state.prompt_limiter)
+
+
+def _counting(started: Started, num_prompt_tokens: int) -> Started:
+    """``started`` with a running ``usage`` (prompt and completion tokens so far) attached, for
+    ``continuous_usage_stats``."""
+    counted = _CountingStarted(started.request_id, started.first, started.stream)
+    counted.prompt_tokens = num_prompt_tokens
+    return counted
+
+
+class _CountingStarted(Started):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    async def items(self) -> AsyncIterator[Any]:
+        async for item in super().items():
+            if isinstance(item, TokenDelta):
+                self.completion_tokens += len(item.token_ids)
+            yield item
+
+    def usage(self) -> Usage:
+        return Usage.of(self.prompt_tokens, self.completion_tokens)
 
 
 def _check_vocab(token_ids: list[int], vocab_size: int | None) -> None:
@@ -157,6 +265,7 @@ def _check_vocab(token_ids: list[int], vocab_size: int | None) -> None:
 
 
 def _chat_prompt(req: ChatCompletionRequest, model: ModelState, salt: str | None) -> list[int]:
+    """The prompt's token ids (thread-safe: ``PromptCache`` locks its state)."""
     messages = msgspec.to_builtins(req.messages)
     tools = msgspec.to_builtins(req.tools) if req.tools else None
     try:
@@ -178,11 +287,15 @@ def _error_event(exc: DispatchError) -> ServerSentEventMessage:
 
 
 def _chunk(
-    head: _Head, delta: ChunkDelta, reason: Any = None, logprobs: ChoiceLogprobs | None = None
+    head: _Head,
+    delta: ChunkDelta,
+    reason: Any = None,
+    logprobs: ChoiceLogprobs | None = None,
+    usage: Usage | msgspec.UnsetType = msgspec.UNSET,
 ) -> ServerSentEventMessage:
     choice = ChunkChoice(index=0, delta=delta, finish_reason=reason, logprobs=logprobs)
     return _encode_event(ChatCompletionChunk(
-        id=head.id, model=head.model, created=head.created, choices=[choice]
+        id=head.id, model=head.model, created=head.created, choices=[choice], usage=usage
     ))
 
 
@@ -195,14 +308,18 @@ async def _chat_sse(
 ) -> AsyncIterator[ServerSentEventMessage]:
     """The SSE body; leaving it early (the client went away) aborts the worker request."""
     events = chat_deltas(started, model, opts)
+
+    def usage() -> Usage | msgspec.UnsetType:
+        return started.usage() if isinstance(started, _CountingStarted) else msgspec.UNSET
+
     try:
-        yield _chunk(head, ChunkDelta(role="assistant", content=""))
+        yield _chunk(head, ChunkDelta(role="assistant", content=""), usage=usage())
         async for event in events:
             logprobs = None if event.logprobs is None else ChoiceLogprobs(content=event.logprobs)
             if isinstance(event, ChatDelta):
-                yield _chunk(head, event.delta, logprobs=logprobs)
+                yield _chunk(head, event.delta, logprobs=logprobs, usage=usage())
                 continue
-            yield _chunk(head, ChunkDelta(), event.finish_reason, logprobs)
+            yield _chunk(head, ChunkDelta(), event.finish_reason, logprobs, usage=usage())
             if req.include_usage:
                 yield _encode_event(ChatCompletionChunk(
                     id=head.id, model=head.model, created=head.created, choices=[],

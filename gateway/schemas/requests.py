@@ -25,15 +25,14 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from engine.sampling_params import MAX_LOGPROBS
+from engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS
+from gateway.schemas.limits import DEFAULT_LIMITS, MAX_INT64
 
-MAX_STOP_STRINGS = 4
-_Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+MAX_STOP_STRINGS = DEFAULT_LIMITS.max_stop_strings
+MAX_STOP_CHARS = DEFAULT_LIMITS.max_stop_chars
+_Int64 = Annotated[int, Meta(ge=-(2**63), le=MAX_INT64)]
 _TokenId = Annotated[int, Meta(ge=0, lt=2**31)]  # NOTE: bounded: ids travel as msgpack ints
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter"]
-
-
-
 
 # --- request parts ---------------------------------------------------------------------------
 
@@ -151,19 +150,39 @@ ResponseFormat = ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJ
 
 
 class StreamOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``continuous_usage_stats`` (vLLM): every chunk carries the usage so far."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
-_Stop = str | Annotated[list[str], Meta(max_length=MAX_STOP_STRINGS)] | None
-_MaxTokens = Annotated[int, Meta(ge=1)] | None
+# NOTE: an empty stop string would match everywhere; a long one is held back from every delta
+_StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+Stop = _StopString | Annotated[list[_StopString], Meta(max_length=MAX_STOP_STRINGS)] | None
+_Stop = Stop
+_MaxTokens = Annotated[int, Meta(ge=1, le=MAX_INT64)] | None
 _Temperature = Annotated[float, Meta(ge=0, le=2)] | None
 _TopP = Annotated[float, Meta(gt=0, le=1)] | None
 _Penalty = Annotated[float, Meta(ge=-2, le=2)] | None
+# NOTE: vLLM's spelling of "no top-k" is -1 (or 0); both map to None
+_TopK = Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None
+_MinP = Annotated[float, Meta(ge=0, le=1)] | None
+_RepetitionPenalty = Annotated[float, Meta(gt=0)] | None
+_LogitBias = Annotated[
+    dict[str, Annotated[float, Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+    Meta(max_length=MAX_LOGIT_BIAS_ENTRIES),
+] | None
+_ShortStr = Annotated[str, Meta(max_length=1024)] | None
 
 
 class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``POST /v1/chat/completions``. ``user``, ``metadata``, ``store`` and ``service_tier`` are
-    accepted and ignored; penalties are accepted only as 0."""
+    """``POST /v1/chat/completions``. Fields clients send that do not change this model's
+    output are accepted and ignored: ``user``, ``metadata``, ``store``, ``service_tier``,
+    ``safety_identifier``, ``verbosity``, ``reasoning_effort``, ``prediction``. Honoured:
+    ``logit_bias``, ``top_k``, ``min_p``, ``repetition_penalty`` (vLLM), ``prompt_cache_key``
+    (worker affinity). Refused unless null or empty (``unsupported_value``): ``functions``,
+    ``function_call`` other than "none"/"auto", ``audio``, ``modalities`` other than text.
+    Penalties are accepted only as 0."""
 
     model: str
     messages: list[Message]
@@ -180,14 +199,27 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     stop: _Stop = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    n: int | None = None
+    n: _Int64 | None = None
     presence_penalty: _Penalty = None
     frequency_penalty: _Penalty = None
     parallel_tool_calls: bool | None = None
-    user: str | None = None
+    logit_bias: _LogitBias = None
+    top_k: _TopK = None
+    min_p: _MinP = None
+    repetition_penalty: _RepetitionPenalty = None
+    prompt_cache_key: _ShortStr = None
+    user: _ShortStr = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    service_tier: str | None = None
+    service_tier: _ShortStr = None
+    safety_identifier: _ShortStr = None
+    verbosity: _ShortStr = None
+    reasoning_effort: _ShortStr = None
+    prediction: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -197,9 +229,16 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_un
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk: ``continuous_usage_stats`` with ``include_usage`` (as vLLM)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats  # type: ignore[union-attr]
+
 
 class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``POST /v1/completions``: one prompt, as text or token ids; ``echo`` must be false."""
+    """``POST /v1/completions``: one prompt, as text or token ids; ``echo`` must be false,
+    ``suffix`` null and ``best_of`` 1. ``user`` is ignored; ``logit_bias`` and the vLLM extras
+    are honoured as in chat."""
 
     model: str
     prompt: str | list[_TokenId]
@@ -212,10 +251,16 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     stream_options: StreamOptions | None = None
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
-    n: int | None = None
+    n: _Int64 | None = None
+    best_of: _Int64 | None = None
+    suffix: str | None = None
     presence_penalty: _Penalty = None
     frequency_penalty: _Penalty = None
-    user: str | None = None
+    logit_bias: _LogitBias = None
+    top_k: _TopK = None
+    min_p: _MinP = None
+    repetition_penalty: _RepetitionPenalty = None
+    user: _ShortStr = None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -224,6 +269,12 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk: ``continuous_usage_stats`` with ``include_usage`` (as vLLM)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats  # type: ignore[union-attr]
+
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
     """The ``stop`` parameter as a list (OpenAI takes one string or a list)."""

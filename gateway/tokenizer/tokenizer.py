@@ -20,7 +20,9 @@ class Tokenizer:
         self._template = None if files.chat_template is None else _compile(files.chat_template)
         added = files.backend.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, token in added.items() if token.special)
-        self._vocab_size = max(files.backend.get_vocab(with_added_tokens=True).values()) + 1
+        vocab = files.backend.get_vocab(with_added_tokens=True)
+        self._vocab_size = max(vocab.values()) + 1
+        self._max_token_chars = max(map(len, vocab), default=1)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
@@ -107,6 +109,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Highest token id + 1, added tokens included (a model's embedding may be larger)."""
         return self._vocab_size
+
+    @property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry, added tokens included, in characters: no token covers
+        more of the input text (byte-level vocabularies spell one byte per character), so a
+        text of ``n`` characters has at least ``n / max_token_chars`` tokens."""
+        return self._max_token_chars
 
     @property
     def model_max_length(self) -> int | None:

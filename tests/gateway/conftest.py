@@ -28,7 +28,8 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo tokenizer and a config.json with only the context length and the vocabulary
     size: enough for the gateway (which never loads weights) in front of a sim worker."""
-    out = tmp_path_factory.mktemp("demo-tokenizer")
+    out = tmp_path_factory.mktemp("demo-tokenizer") / "demo"  # NOTE: served as model "demo"
+    out.mkdir()
     write_demo_tokenizer(out)
     config = {"max_position_embeddings": CONTEXT, "vocab_size": DEMO_VOCAB_SIZE}
     (out / "config.json").write_text(json.dumps(config))

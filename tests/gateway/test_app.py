@@ -128,8 +128,9 @@ def test_bad_input_is_400_naming_param(
 
 def test_prompt_plus_max_tokens_over_context_is_400(client: TestClient[Litestar]) -> None:
     messages = [{"role": "user", "content": "y" * 8000}]
-    _assert_error(client.post(URL, json=_chat(messages=messages, max_tokens=1000)), 400,
-                  "messages")
+    resp = client.post(URL, json=_chat(messages=messages, max_tokens=1000))
+    _assert_error(resp, 400, "max_tokens")
+    assert resp.json()["error"]["code"] == "context_length_exceeded", resp.text
 
 
 def test_completion_round_trip(client: TestClient[Litestar]) -> None:
@@ -190,7 +191,7 @@ def test_agentgate_serve_answers_http_and_stops_its_workers_on_sigint(tmp_path: 
     write_demo_tokenizer(model_dir)
     (model_dir / "config.json").write_text(json.dumps(DEMO_CONFIG))
     with live_gateway(model_dir) as gateway:
-        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+        body = json.dumps({"model": "model", "messages": [{"role": "user", "content": "hi"}],
                            "max_tokens": 3}).encode()
         req = urllib.request.Request(f"{gateway.api_url}/chat/completions", data=body,
                                      headers={"content-type": "application/json"})

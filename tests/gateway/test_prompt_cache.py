@@ -1,14 +1,17 @@
 """gateway.prompt_cache: exact tokens against a full render, reuse across resent turns, tenant
 and tools isolation, LRU bounds, and the full-render fallback for a non-prefix-stable template."""
 
+import gc
 import json
+import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.prompt_cache import EncodedPrompt, PromptCache, message_hashes
+from gateway.prompt_cache import EncodedPrompt, PromptCache, entry_bytes, message_hashes
 from gateway.tokenizer import Tokenizer, write_demo_tokenizer
 
 _SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -174,14 +177,48 @@ def test_lru_bound_on_entries(tok: Tokenizer) -> None:
     assert cache.encode(conversations[4]).reused_tokens > 0  # kept
 
 
-def test_lru_bound_on_tokens(tok: Tokenizer) -> None:
-    cache = PromptCache(tok, max_tokens=200)
+def test_lru_bound_on_bytes(tok: Tokenizer) -> None:
+    max_bytes = entry_bytes(200)
+    cache = PromptCache(tok, max_bytes=max_bytes)
     for i in range(10):
         cache.encode([{"role": "user", "content": f"{i} " + "x" * 40}])
-        assert cache.num_tokens <= 200, cache.num_tokens
+        assert cache.num_bytes <= max_bytes, cache.num_bytes
     assert 0 < cache.num_entries < 10
     cache.encode([{"role": "user", "content": "y" * 500}])  # larger than the whole cache
-    assert cache.num_tokens <= 200 and cache.num_entries > 0
+    assert cache.num_bytes <= max_bytes and cache.num_entries > 0
+
+
+def test_byte_charge_is_an_upper_bound_on_memory_held(tok: Tokenizer) -> None:
+    """What the entries really hold (tracemalloc, with the conversations' own objects freed)
+    never exceeds what they are charged, so ``max_bytes`` bounds the gateway's memory."""
+    cache = PromptCache(tok, max_bytes=entry_bytes(50_000))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(40):
+            words = " ".join(f"w{i}x{j}" for j in range(300))  # ids above 256: no small ints
+            cache.encode([{"role": "user", "content": words}])
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert cache.num_entries > 1 and cache.num_bytes <= cache.max_bytes, cache.num_bytes
+    assert held <= cache.num_bytes, (held, cache.num_bytes)
+
+
+def test_concurrent_encodes_from_threads_agree_with_a_full_render(tok: Tokenizer) -> None:
+    """The gateway encodes large prompts on threads while small ones run on its loop."""
+    cache = PromptCache(tok, max_entries=8)
+    history = [{"role": "user", "content": "start"}]
+    conversations = [
+        [*history, {"role": "assistant", "content": f"a{i}"}, {"role": "user", "content": f"u{i}"}]
+        for i in range(16)
+    ]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda m: cache.encode(m).token_ids, conversations * 4))
+    for messages, ids in zip(conversations * 4, results, strict=True):
+        assert ids == tok.encode_chat(messages, add_generation_prompt=True)
+    assert cache.num_entries <= 8
 
 
 def test_extended_prefix_is_evicted_before_other_conversations(tok: Tokenizer) -> None:

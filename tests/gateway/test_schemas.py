@@ -201,7 +201,17 @@ _BAD_CHAT = [
     (_chat(temperature=-0.1), "temperature"),
     (_chat(top_p=0), "top_p"),
     (_chat(top_p=1.5), "top_p"),
-    (_chat(stop=["a", "b", "c", "d", "e"]), "stop"),
+    (_chat(stop=[str(i) for i in range(17)]), "stop"),
+    (_chat(stop=""), "stop"),
+    (_chat(stop=["a", ""]), "stop[1]"),
+    (_chat(stop="s" * 1025), "stop"),
+    (_chat(max_tokens=2**64), "max_tokens"),
+    (_chat(n=2**64), "n"),
+    (_chat(logit_bias={"5": 100.5}), "logit_bias"),
+    (_chat(logit_bias={"-5": 1}), "logit_bias"),
+    (_chat(functions=[{"name": "f"}]), "functions"),
+    (_chat(modalities=["audio"]), "modalities"),
+    (_chat(messages=[{"role": "user", "content": ""}] * 4097), "messages"),
     (_chat(top_logprobs=2), "top_logprobs"),
     (_chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     (
@@ -280,6 +290,17 @@ def _spec(body: bytes, **kwargs: Any) -> SamplingSpec:
         (_chat(logprobs=True), SamplingSpec(max_new_tokens=100, logprobs=0)),
         (_chat(logprobs=True, top_logprobs=5), SamplingSpec(max_new_tokens=100, logprobs=5)),
         (_completion(max_tokens=7, logprobs=3), SamplingSpec(max_new_tokens=7, logprobs=3)),
+        (
+            _chat(top_k=20, min_p=0.05, repetition_penalty=1.1, logit_bias={"7": -100, "5": 2}),
+            SamplingSpec(max_new_tokens=100, top_k=20, min_p=0.05, repetition_penalty=1.1,
+                         logit_bias=[(5, 2.0), (7, -100.0)]),
+        ),
+        (_chat(top_k=-1, min_p=None, repetition_penalty=None), SamplingSpec(max_new_tokens=100)),
+        (_chat(top_k=0, logit_bias={}), SamplingSpec(max_new_tokens=100)),
+        (
+            _completion(max_tokens=3, top_k=4, logit_bias={"9": 1}),
+            SamplingSpec(max_new_tokens=3, top_k=4, logit_bias=[(9, 1.0)]),
+        ),
     ],
 )
 def test_to_sampling_spec(body: bytes, expected: SamplingSpec) -> None:
