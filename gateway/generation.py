@@ -265,10 +265,12 @@ async def chat_result(started: Started, model: ModelState, opts: OutputOptions) 
 
 
 def finish_reason(item: Finished, has_calls: bool = False) -> Any:
-    """The OpenAI finish reason of a worker's ``Finished`` ("tool_calls" when calls were made)."""
-    if has_calls:
-        return "tool_calls"
-    return "length" if item.finish_reason == "length" else "stop"
+    """The OpenAI finish reason of a worker's ``Finished``: "length" when ``max_tokens`` (or the
+    context) cut the answer, even after complete calls (a cut call was dropped); else
+    "tool_calls" when calls were made; else "stop"."""
+    if item.finish_reason == "length":
+        return "length"
+    return "tool_calls" if has_calls else "stop"
 
 
 def usage_of(item: Finished) -> Usage:

@@ -7,6 +7,10 @@ NOTE: invariant: for any split of a text into deltas, the stream parser's conten
 to the `content` of `parse_tool_calls`, and it yields the same calls (same ids for the same seed)
 and the same errors.
 
+A final block without `</tool_call>` (the output was cut: `max_tokens`, a stop string, or an end
+token inside the block) is dropped, markup and all: its arguments are cut JSON, so it is no call,
+and the markup is no content either. Its error is reported (`ToolCallError`, `errors`).
+
 NOTE: the stream parser buffers each tool-call block until `</tool_call>` and then emits
 ToolCallStart, one ToolCallArgumentsDelta with the whole arguments JSON, and ToolCallEnd. A block
 is only known to be a valid call once it is closed; emitting a start earlier would mean taking
@@ -88,7 +92,8 @@ def parse_tool_calls(text: str, *, id_seed: str | None = None) -> ParsedOutput:
         id_seed: ids are `tool_call_id(id_seed, i)` for the i-th valid call; None: a random seed.
     Returns:
         content: the text outside valid blocks, with surrounding whitespace stripped. A block whose
-            JSON is malformed, or a final block without `</tool_call>`, stays in content verbatim.
+            JSON is malformed stays in content verbatim; a final block without `</tool_call>` is
+            dropped (see the module docstring).
         errors: one message per such block.
     """
     seed = new_id_seed() if id_seed is None else id_seed
@@ -100,8 +105,7 @@ def parse_tool_calls(text: str, *, id_seed: str | None = None) -> ParsedOutput:
         parts.append(text[pos:start])
         body_at = start + len(TOOL_CALL_START)
         end = text.find(TOOL_CALL_END, body_at)
-        if end < 0:
-            parts.append(text[start:])
+        if end < 0:  # NOTE: cut off: dropped, neither a call nor content
             errors.append(_UNTERMINATED)
             pos = len(text)
             break
@@ -142,10 +146,9 @@ class ToolCallStreamParser:
         return events
 
     def finish(self) -> list[ToolCallEvent]:
-        """Flush what is held back; an unterminated block becomes content plus a ToolCallError."""
+        """Flush what is held back; an unterminated block is dropped, with a ToolCallError."""
         events: list[ToolCallEvent] = []
         if self._in_block:
-            self._emit_content(events, TOOL_CALL_START + self._buf)
             events.append(ToolCallError(_UNTERMINATED))
         else:
             self._emit_content(events, self._buf)

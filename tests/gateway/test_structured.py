@@ -4,6 +4,7 @@ back valid, from the native backend (the real sampler) and the sim backend (whic
 grammar's allowed tokens too); a schema that cannot be enforced is a 400 naming its parameter."""
 
 import json
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,13 @@ from litestar.testing import TestClient
 from gateway.app import GatewayConfig, create_app
 from gateway.schemas import decode_chat_request, to_sampling_spec
 from gateway.serve import spawn_worker
-from gateway.structured import tool_call_grammar
+from gateway.structured import (
+    COMPILE_CACHE,
+    COMPILE_CACHE_MAX_BYTES,
+    closed_objects,
+    structured_spec,
+    tool_call_grammar,
+)
 
 URL = "/v1/chat/completions"
 WEATHER = {
@@ -178,3 +185,114 @@ def test_tool_grammar_writes_the_chat_templates_call_format() -> None:
     assert lark.startswith("start: call\n"), lark
     assert 'call: <tool_call> "\\n" (fn_0) "\\n" </tool_call>' in lark, lark
     assert '"{\\"name\\": \\"get_weather\\", \\"arguments\\": "' in lark, lark
+
+
+# ------------------------------------------------------------- issue 8, item 18 and item 4
+
+# NOTE: LangChain's tool schemas omit additionalProperties, at every level
+LANGCHAIN_PARAMS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 5},
+        "when": {"type": "object", "properties": {"day": {"type": "integer"}}},
+        "stops": {"type": "array", "items": {"type": "object",
+                                             "properties": {"name": {"type": "string"}}}},
+    },
+    "required": ["city", "when"],
+}
+LANGCHAIN_TOOL = {"type": "function", "function": {"name": "trip", "parameters": LANGCHAIN_PARAMS}}
+
+
+def _assert_keys_within(value: Any, schema: dict[str, Any], where: str = "arguments") -> None:
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        assert set(value) <= set(props), f"{where}: keys {sorted(value)} outside {sorted(props)}"
+        for key, sub in value.items():
+            _assert_keys_within(sub, props[key], f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _assert_keys_within(item, schema.get("items", {}), f"{where}[{i}]")
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_named_tool_choice_makes_exactly_one_call(client: TestClient[Litestar], seed: int) -> None:
+    """parallel_tool_calls left at its default (true): a named choice is still one call."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    choice = _post(client, _chat(tools=TOOLS, tool_choice=named, seed=seed, max_tokens=400))
+    assert choice["finish_reason"] == "tool_calls", choice
+    [call] = choice["message"]["tool_calls"]
+    _assert_valid_call(call, {"get_weather"})
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_forced_arguments_stay_within_a_schema_without_additional_properties(
+    client: TestClient[Litestar], seed: int
+) -> None:
+    named = {"type": "function", "function": {"name": "trip"}}
+    choice = _post(client, _chat(tools=[LANGCHAIN_TOOL], tool_choice=named, seed=seed,
+                                 max_tokens=400))
+    assert choice["finish_reason"] == "tool_calls", choice
+    [call] = choice["message"]["tool_calls"]
+    arguments = json.loads(call["function"]["arguments"])
+    assert {"city", "when"} <= set(arguments), arguments
+    _assert_keys_within(arguments, LANGCHAIN_PARAMS)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_call_cut_by_max_tokens_leaks_no_markup(
+    client: TestClient[Litestar], stream: bool
+) -> None:
+    body = _chat(tools=TOOLS, tool_choice="required", seed=3, max_tokens=8, stream=stream)
+    if not stream:
+        choice = _post(client, body)
+        content, calls, reason = (choice["message"].get("content"),
+                                  choice["message"].get("tool_calls"), choice["finish_reason"])
+    else:
+        with client.stream("POST", URL, json=body) as resp:
+            assert resp.status_code == 200, resp.read()
+            lines = [ln[6:] for ln in resp.iter_lines() if ln.startswith("data: ")]
+        chunks = [json.loads(ln)["choices"][0] for ln in lines if ln != "[DONE]"]
+        content = "".join(c["delta"].get("content") or "" for c in chunks) or None
+        calls = [t for c in chunks for t in c["delta"].get("tool_calls") or []] or None
+        [reason] = [c["finish_reason"] for c in chunks if c["finish_reason"]]
+    assert reason == "length", (reason, content, calls)
+    assert content is None or "<tool_call" not in content, content
+    assert calls is None, calls  # NOTE: the cut call's arguments are not JSON: dropped
+
+
+def test_closed_objects_copies_and_closes_every_object_schema() -> None:
+    before = json.dumps(LANGCHAIN_PARAMS)
+    closed = closed_objects(LANGCHAIN_PARAMS)
+    assert json.dumps(LANGCHAIN_PARAMS) == before, "the request's schema was changed"
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["when"]["additionalProperties"] is False
+    assert closed["properties"]["stops"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]["city"]
+    kept = closed_objects({"type": "object", "additionalProperties": {"type": "integer"}})
+    assert kept["additionalProperties"] == {"type": "integer"}
+    union = closed_objects({"anyOf": [{"properties": {"a": {}}}, {"type": "string"}]})
+    assert union["anyOf"][0]["additionalProperties"] is False and union["anyOf"][1] == {
+        "type": "string"}
+
+
+def test_compile_cache_stays_within_its_byte_bound() -> None:
+    """40 distinct 1 MB schemas (the issue's 40 big schemas grew the gateway to 781 MB)."""
+    COMPILE_CACHE.clear()
+    tracemalloc.start()
+    try:
+        base_bytes, _ = tracemalloc.get_traced_memory()
+        for i in range(40):
+            schema = {"type": "object", "description": f"{i}" + "x" * 1_000_000,
+                      "properties": {"a": {"type": "string"}}}
+            fmt = {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}
+            req = decode_chat_request(json.dumps(_chat(response_format=fmt)).encode())
+            assert structured_spec(req) is not None
+            del req
+        kept_bytes = tracemalloc.get_traced_memory()[0] - base_bytes
+    finally:
+        tracemalloc.stop()
+    assert COMPILE_CACHE.num_bytes <= COMPILE_CACHE_MAX_BYTES, COMPILE_CACHE.num_bytes
+    assert 0 < len(COMPILE_CACHE) < 40, len(COMPILE_CACHE)
+    # NOTE: what the process keeps: the cache and a little more, not 40 schemas
+    assert kept_bytes < COMPILE_CACHE_MAX_BYTES + 4_000_000, kept_bytes
+    COMPILE_CACHE.clear()

@@ -141,10 +141,11 @@ def test_arguments_string_passes_through_and_missing_arguments_are_empty() -> No
     ]
 
 
-def test_unterminated_block_is_content_and_error() -> None:
+def test_unterminated_block_is_dropped_with_an_error() -> None:
+    """A call cut off (max_tokens) leaks no markup into content (issue 8, item 18)."""
     text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": '
     parsed = parse_tool_calls(text, id_seed=_SEED)
-    assert parsed.content == text.strip() and parsed.tool_calls == [], parsed
+    assert parsed.content == "Sure." and parsed.tool_calls == [], parsed
     assert len(parsed.errors) == 1 and "unterminated" in parsed.errors[0], parsed.errors
     _assert_stream_matches(text, list(text))
 
