@@ -2,6 +2,7 @@
 that talk to it as clients do (urllib, the ``openai`` package, agent frameworks)."""
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from gateway.serve import ServeError, WorkerProcess, spawn_worker
 
 READY_TIMEOUT_S = 90
 WORKER_START_TIMEOUT_S = 60
+TEST_TENANT_SECRET = "agentgate-test-tenant-secret"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +67,10 @@ def live_gateway(model_dir: Path, *args: str, backend: str = "sim") -> Iterator[
         sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir), "--backend",
         backend, "--host", "127.0.0.1", "--port", str(port), *args,
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # NOTE: a fixed tenant secret, so that tests never create one under the user's ~/.config
+    env = {"AGENTGATE_TENANT_SECRET": TEST_TENANT_SECRET, **os.environ}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
     gateway = LiveGateway(f"http://127.0.0.1:{port}", proc)
     try:
         _wait_ready(gateway)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.gateway.live import free_port
+from tests.gateway.live import TEST_TENANT_SECRET, free_port
 
 READY_TIMEOUT_S = 90.0
 
@@ -66,7 +66,7 @@ def serve_proc(model_dir: Path, tmp_path: Path, *args: str) -> Iterator[ServePro
     cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir),
            "--backend", "sim", "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", "m", *args]
-    env = {**os.environ, "AGENTGATE_TENANT_SECRET": "test-tenant-secret-0123456789"}
+    env = {**os.environ, "AGENTGATE_TENANT_SECRET": TEST_TENANT_SECRET}
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     serve = ServeProc(proc, port, log_path)

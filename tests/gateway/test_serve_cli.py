@@ -1,0 +1,175 @@
+"""``agentgate serve``'s command line: flags reach the gateway config and the spawned workers,
+a taken port fails before any worker starts, "gateway on" is logged only once the port answers,
+``--help`` shows defaults, the tenant secret is created once and kept, and gateway and worker
+log lines share one format."""
+
+import argparse
+import json
+import os
+import re
+import socket
+import stat
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from engine import worker_cli
+from gateway.cli import _build_parser, serve_kwargs
+from gateway.supervisor import RESTART_INITIAL_S, RESTART_MAX_S, restart_delay_s
+from gateway.tenant_secret import SECRET_BYTES, TenantSecretError, load_tenant_secret
+from tests.gateway.live import free_port
+from tests.gateway.serve_proc import proc_state, serve_proc, wait_until
+
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ \[(gateway|worker w\d)\] "
+                      r"[\w.]+: ")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine.models.checkpoint import DEMO_CONFIG
+    from gateway.tokenizer import write_demo_tokenizer
+
+    out = tmp_path_factory.mktemp("cli-model")
+    write_demo_tokenizer(out)
+    (out / "config.json").write_text(json.dumps(DEMO_CONFIG))
+    return out
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    return _build_parser().parse_args(["serve", *argv])
+
+
+def test_flags_reach_the_gateway_config(model_dir: Path, tmp_path: Path) -> None:
+    args = _parse("--model", str(model_dir), "--first-token-timeout", "5", "--idle-timeout", "2.5",
+                  "--served-model-name", "a", "--served-model-name", "b",
+                  "--cors-origin", "https://x.example", "--tenant-secret-file",
+                  str(tmp_path / "s"), "--header-timeout", "3", "--body-timeout", "4",
+                  "--max-connections", "7", "--drain-timeout", "0")
+    kwargs = serve_kwargs(args, env={})
+    options = kwargs["gateway_options"]
+    assert options["first_token_timeout_s"] == 5.0 and options["idle_timeout_s"] == 2.5
+    assert options["served_model_names"] == ("a", "b")
+    assert options["cors_origins"] == ("https://x.example",)
+    assert options["tenant_secret"] == (tmp_path / "s").read_bytes()
+    limits = kwargs["limits"]
+    assert (limits.header_timeout_s, limits.body_timeout_s, limits.max_connections,
+            limits.drain_timeout_s) == (3.0, 4.0, 7, 0.0)
+    assert kwargs["worker_args"] == []
+
+
+def test_worker_flags_are_forwarded_only_when_set(model_dir: Path, tmp_path: Path) -> None:
+    args = _parse("--model", str(model_dir), "--cost", "h200", "--kv-budget-mb", "64",
+                  "--page-size", "32", "--max-batched-tokens", "256", "--no-prefix-cache",
+                  "--tenant-secret-file", str(tmp_path / "s"))
+    argv = serve_kwargs(args, env={})["worker_args"]
+    assert argv == ["--page-size", "32", "--kv-budget-mb", "64", "--max-batched-tokens", "256",
+                    "--no-prefix-cache", "--cost", "h200"], argv
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--header-timeout", "0"), ("--idle-timeout", "-1"),
+                                             ("--max-connections", "0")])
+def test_bad_flag_values_are_refused(flag: str, value: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _parse(flag, value)
+    assert exc.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_help_shows_defaults() -> None:
+    out = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--help"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    text = " ".join(out.split())
+    for flag, default in [("--header-timeout", "10.0"), ("--body-timeout", "30.0"),
+                          ("--max-connections", "2048"), ("--drain-timeout", "30.0"),
+                          ("--first-token-timeout", "60.0"), ("--idle-timeout", "30.0"),
+                          ("--port", "8000"), ("--cost", "cpu")]:
+        assert re.search(re.escape(flag) + r" .*?\(default: " + re.escape(default) + r"\)",
+                         text), (flag, out)
+    assert "(default: None)" not in text, out
+
+
+def test_cost_choices_match_the_engine() -> None:
+    from engine.worker import COSTS
+
+    assert worker_cli.COSTS == COSTS
+
+
+def test_restart_backoff_doubles_to_a_cap_and_resets_after_a_healthy_run() -> None:
+    delays = [None]
+    for _ in range(10):
+        delays.append(restart_delay_s(delays[-1], uptime_s=1.0))
+    assert delays[1:4] == [RESTART_INITIAL_S, 2 * RESTART_INITIAL_S, 4 * RESTART_INITIAL_S]
+    assert delays[-1] == RESTART_MAX_S
+    assert restart_delay_s(RESTART_MAX_S, uptime_s=61.0) == RESTART_INITIAL_S
+
+
+def test_tenant_secret_is_created_once_private_and_kept(tmp_path: Path) -> None:
+    path = tmp_path / "conf" / "agentgate" / "tenant-secret"
+    first = load_tenant_secret(path)
+    assert len(first) == SECRET_BYTES
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_tenant_secret(path) == first
+    assert load_tenant_secret(tmp_path / "other") != first
+    assert load_tenant_secret(path, "an-environment-secret!") == b"an-environment-secret!"
+    with pytest.raises(TenantSecretError, match="at least 16 bytes"):
+        load_tenant_secret(path, "short")
+
+
+def test_taken_port_fails_before_any_worker_starts(model_dir: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir),
+             "--backend", "sim", "--port", str(port)],
+            capture_output=True, text=True, timeout=120, check=False,
+            env={**os.environ, "AGENTGATE_TENANT_SECRET": "test-tenant-secret-0123456789"})
+    assert proc.returncode == 2, proc.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr, proc.stderr
+    assert "listening on" not in proc.stderr, f"a worker started:\n{proc.stderr}"
+    assert time.monotonic() - start < 60
+
+
+def test_gateway_on_is_logged_once_the_port_answers(model_dir: Path, tmp_path: Path) -> None:
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir), "--backend",
+           "sim", "--port", str(port), "--tenant-secret-file", str(tmp_path / "secret")]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "gateway on" in log_path.read_text() or proc.poll() is not None, 90,
+                   "the gateway-on line")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            assert r.status == 200
+        assert stat.S_IMODE((tmp_path / "secret").stat().st_mode) == 0o600
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_sim_fleet_with_worker_flags_starts_and_logs_in_one_format(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    args = ("--workers", "2", "--cost", "h200", "--kv-budget-mb", "64", "--page-size", "32")
+    with serve_proc(model_dir, tmp_path, *args) as serve:
+        pids = wait_until(lambda: len(serve.worker_pids()) == 2 and serve.worker_pids(), 30,
+                          "two workers")
+        for pid in pids:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            assert b"--cost" in cmdline and cmdline[cmdline.index(b"--cost") + 1] == b"h200"
+            assert cmdline[cmdline.index(b"--kv-budget-mb") + 1] == b"64", cmdline
+            assert cmdline[cmdline.index(b"--parent-pid") + 1] == str(serve.proc.pid).encode()
+        assert serve.chat()["usage"]["completion_tokens"] == 3
+        serve.stop()
+    assert all(proc_state(pid) in (None, "Z") for pid in pids)
+    lines = [line for line in serve.output().splitlines() if line.strip()]
+    roles = {m[1] for line in lines if (m := LOG_LINE.match(line))}
+    assert {"gateway", "worker w0", "worker w1"} <= roles, lines
+    odd = [line for line in lines if not LOG_LINE.match(line)]
+    assert not odd, f"lines in another format: {odd}"
