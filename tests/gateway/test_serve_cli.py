@@ -173,3 +173,26 @@ def test_sim_fleet_with_worker_flags_starts_and_logs_in_one_format(
     assert {"gateway", "worker w0", "worker w1"} <= roles, lines
     odd = [line for line in lines if not LOG_LINE.match(line)]
     assert not odd, f"lines in another format: {odd}"
+
+
+def test_parent_watch_thread_notices_a_killed_parent(tmp_path: Path) -> None:
+    """The portable fallback of ``--parent-pid`` on its own (no prctl): a grandchild watching
+    its parent exits once that parent is SIGKILLed."""
+    child = ("import os, sys, threading; from engine.worker_cli import watch_parent; "
+             "gone = threading.Event(); watch_parent(os.getppid(), gone.set); "
+             "print(os.getpid(), flush=True); sys.exit(0 if gone.wait(60) else 1)")
+    parent = ("import subprocess, sys, time; "
+              f"subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(120)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        assert proc.stdout is not None
+        grandchild = int(proc.stdout.readline())
+        proc.kill()
+        proc.wait()
+        wait_until(lambda: proc_state(grandchild) in (None, "Z"), 15,
+                   "the watching process exited after its parent was killed")
+    finally:
+        proc.kill()
+        proc.wait()
