@@ -10,7 +10,7 @@ from engine.kv.layout import KVLayout
 from engine.kv.paged import PagedBatch, SeqPages
 from engine.kv.pool import KVPool
 from engine.models.mimo_v2 import MiMoV2ForCausalLM
-from engine.sampler import SampleOutput, Sampler, grammar_mask
+from engine.sampler import SampleOutput, Sampler, grammar_mask, penalty_history
 from engine.scheduler import Scheduled
 
 
@@ -40,4 +40,5 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows])
         allowed = grammar_mask([q.grammar for q in sampling], logits.shape[-1], self.device)
         return self.sampler.sample(logits, [q.params for q in sampling],
-                                   [q.generator for q in sampling], allowed)
+                                   [q.generator for q in sampling], allowed,
+                                   history=penalty_history(sampling))

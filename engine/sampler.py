@@ -1,6 +1,11 @@
 """Next-token sampling for a batch: greedy argmax, or temperature, top-k, top-p and min-p filtering
 followed by an exponential race whose noise comes from each request's own generator when seeded.
 
+Before either, every row's logits go through its grammar mask (-inf), then ``logit_bias`` (added),
+then ``repetition_penalty`` (CTRL, as vLLM and transformers: a token seen in the prompt or the
+output has its logit divided by the penalty when positive, multiplied when negative). A row that
+uses neither is left bit-identical.
+
 Order for non-greedy rows: top-k -> logits / temperature -> top-p -> min-p -> softmax ->
 argmax(probs / Exp(1) noise). (SGLang divides first; dividing by T > 0 keeps the order of the
 logits, except that float32 can underflow two distinct tiny logits into a tie, which would let a
@@ -8,16 +13,17 @@ token below the k-th one through, so top-k looks at the raw logits.) min-p compa
 with the top token, a ratio that the earlier masks never change, so its place in the order only
 matters relative to top-p, which measures mass on the top-k-renormalized distribution.
 
-Logprobs are those of the raw logits (before temperature and filtering), like vLLM's default,
-with one exception: a row under a grammar (``allowed``) reports the logprobs of its masked logits
-(tokens the grammar forbids are -inf, the rest renormalized), as vLLM does with structured
-output. Unconstrained rows in the same batch are untouched, bit for bit.
+Logprobs are those of the raw logits (before bias, penalty, temperature and filtering), like
+vLLM's default (``raw_logprobs``), with one exception: a row under a grammar (``allowed``)
+reports the logprobs of its masked logits (tokens the grammar forbids are -inf, the rest
+renormalized), as vLLM does with structured output. Unconstrained rows in the same batch are
+untouched, bit for bit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -29,6 +35,14 @@ if TYPE_CHECKING:
     from engine.grammar import GrammarMatcher
 
 _NEG_INF = float("-inf")
+
+
+class _HasTokens(Protocol):
+    @property
+    def params(self) -> SamplingParams: ...
+
+    @property
+    def token_ids(self) -> list[int]: ...
 
 
 class SampleOutput(NamedTuple):
@@ -58,6 +72,7 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         allowed: torch.Tensor | None = None,
+        history: Sequence[Sequence[int] | None] | None = None,
     ) -> SampleOutput:
         """Pick one token per row.
 
@@ -68,6 +83,8 @@ class Sampler:
                 A seeded row's draw depends only on its generator and its own logits.
             allowed: bool [B, V] on ``logits.device``, False for tokens a row's grammar forbids
                 (set to -inf before everything else); None: no row is constrained.
+            history: per row, the token ids so far (prompt + output) that ``repetition_penalty``
+                looks at (``penalty_history``); None (or a None row): nothing to penalize.
 
         Raises:
             ValueError: if logits is not 2-D or the lengths of params/generators are not B.
@@ -76,7 +93,7 @@ class Sampler:
         logits = logits.float()
         if allowed is not None:
             logits = logits.masked_fill(~allowed, _NEG_INF)
-        token_ids = sample_tokens(logits, params, generators)
+        token_ids = sample_tokens(processed_logits(logits, params, history), params, generators)
         if all(p.logprobs is None for p in params):
             return SampleOutput(token_ids, None, [None] * len(params))
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -89,6 +106,68 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     if seed is None:
         return None
     return torch.Generator(device=device).manual_seed(seed)
+
+
+def penalty_history(seqs: Sequence[_HasTokens]) -> list[Sequence[int] | None] | None:
+    """The ``history`` argument of ``Sampler.sample`` for requests (``engine.sequence.Sequence``):
+    their prompt + output ids where a repetition penalty needs them; None when none does."""
+    if all(q.params.repetition_penalty == 1.0 for q in seqs):
+        return None
+    return [q.token_ids if q.params.repetition_penalty != 1.0 else None for q in seqs]
+
+
+def processed_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    history: Sequence[Sequence[int] | None] | None = None,
+) -> torch.Tensor:
+    """float32 [B, V]: ``logit_bias`` added, then ``repetition_penalty`` applied (rows that use
+    neither are returned unchanged; ``logits`` itself is never written)."""
+    if any(p.logit_bias for p in params):
+        logits = apply_logit_bias(logits, params)
+    if history is not None and any(p.repetition_penalty != 1.0 for p in params):
+        logits = apply_repetition_penalty(logits, params, history)
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """A copy of ``logits`` with each row's ``logit_bias`` added (a token listed twice: the last
+    bias counts, as in a JSON object). Ids must be < V (the engine checks them on admission)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for row, p in enumerate(params):
+        bias = dict(p.logit_bias)
+        rows += [row] * len(bias)
+        cols += bias.keys()
+        values += bias.values()
+    out = logits.clone()
+    device = logits.device
+    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    out.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=device),
+                   accumulate=True)
+    return out
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    history: Sequence[Sequence[int] | None],
+) -> torch.Tensor:
+    """CTRL's penalty: per row, each token id in its history has its logit divided by the row's
+    ``repetition_penalty`` when positive, multiplied when negative (-inf stays -inf).
+
+    Args:
+        logits: [B, V] float.
+        history: per row, token ids (repeats allowed) < V; None: the row is unchanged.
+    """
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    for row, (p, ids) in enumerate(zip(params, history)):
+        if ids and p.repetition_penalty != 1.0:
+            seen[row, torch.as_tensor(ids, device=logits.device)] = True
+    penalty = _row_tensor([p.repetition_penalty for p in params], logits.device)[:, None]
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
 
 
 def grammar_mask(

@@ -6,9 +6,15 @@ No tensors, so a laptop can replay a production trace against many workers. Step
         + decode_s_per_token * decode tokens + attn_s_per_qk * (query, key) pairs attended
 
 Sampled tokens are a deterministic function of (request id, position), never a stop token, so a
-request runs to ``max_new_tokens`` (trace replays set it to the recorded output length). A request
-with a grammar draws the same way among the tokens its grammar allows, EOS included, so its
-output matches the grammar and ends when the grammar can.
+request runs to ``max_new_tokens`` (trace replays set it to the recorded output length); with a
+``seed``, of (seed, prompt, position) instead, so the same seed and prompt give the same tokens. A
+request with a grammar draws the same way among the tokens its grammar allows, EOS included, so
+its output matches the grammar and ends when the grammar can.
+
+The sim's "model" has the same logit (0) for every token it may draw. A request with a
+``logit_bias`` samples from those logits plus its bias through the real sampler's filters
+(temperature, top-k, top-p, min-p; greedy picks among the top ties), with the same deterministic
+draw. ``repetition_penalty`` scales a logit of 0 to 0, so it changes nothing here.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,7 +30,7 @@ import numpy as np
 import torch
 
 from engine.kv.paged import SeqPages
-from engine.sampler import SampleOutput
+from engine.sampler import SampleOutput, apply_logit_bias, filtered_probs
 from engine.scheduler import Scheduled
 from engine.sequence import Sequence as SeqState
 
@@ -52,6 +59,7 @@ H200_COST = CostModel(step_overhead_s=2.0e-2, prefill_s_per_token=5e-5, decode_s
                       attn_s_per_qk=2e-11)
 ZERO_COST = CostModel(0.0, 0.0, 0.0, 0.0)
 COST_PRESETS = {"cpu": CostModel(), "h200": H200_COST, "zero": ZERO_COST}
+_MAX_PROMPT_DIGESTS = 4096
 
 
 class SimRunner:
@@ -62,6 +70,8 @@ class SimRunner:
         self.cost = cost or CostModel()
         self.clock_s = 0.0
         self.last_step_s = 0.0
+        # NOTE: seeded requests' prompt digests (hashing the prompt every step would cost O(len))
+        self._prompt_digests: OrderedDict[str, str] = OrderedDict()
 
     def run(self, batch: Sequence[Scheduled], pages: Sequence[SeqPages]) -> SampleOutput | None:
         prefill = sum(s.query_len for s in batch if s.query_len > 1)
@@ -112,11 +122,46 @@ class SimRunner:
         return [(token, logprob), *((t, logprob) for t in others)]
 
     def _token(self, seq: SeqState, allowed: np.ndarray | None) -> int:
-        key = f"{seq.request_id}:{seq.num_tokens}".encode()
-        draw = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+        draw = self._draw(seq)
+        if seq.params.logit_bias:
+            return self._biased_token(seq, allowed, draw)
         if allowed is not None:
             return int(allowed[draw % len(allowed)])
         token = draw % self.vocab_size
         while token in seq.stop_ids:
             token = (token + 1) % self.vocab_size
         return token
+
+    def _draw(self, seq: SeqState) -> int:
+        """A uniform 64-bit draw for the request's next position."""
+        if seq.params.seed is None:
+            key = f"{seq.request_id}:{seq.num_tokens}"
+        else:
+            key = f"seed={seq.params.seed}:{self._prompt_digest(seq)}:{seq.num_tokens}"
+        return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+
+    def _prompt_digest(self, seq: SeqState) -> str:
+        digest = self._prompt_digests.get(seq.request_id)
+        if digest is None:
+            data = np.asarray(seq.prompt_ids, dtype=np.int64).tobytes()
+            digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+            self._prompt_digests[seq.request_id] = digest
+            if len(self._prompt_digests) > _MAX_PROMPT_DIGESTS:
+                self._prompt_digests.popitem(last=False)
+        return digest
+
+    def _biased_token(self, seq: SeqState, allowed: np.ndarray | None, draw: int) -> int:
+        """Draw from logits 0 (-inf for stop ids and what the grammar forbids) plus the bias."""
+        logits = torch.zeros(1, self.vocab_size)
+        if allowed is not None:
+            logits.fill_(-math.inf)
+            logits[0, torch.from_numpy(allowed)] = 0.0
+        if seq.stop_ids:
+            logits[0, sorted(t for t in seq.stop_ids if t < self.vocab_size)] = -math.inf
+        logits = apply_logit_bias(logits, [seq.params])
+        if seq.params.is_greedy:
+            top = (logits[0] == logits[0].max()).nonzero().flatten()
+            return int(top[draw % len(top)])
+        cum = filtered_probs(logits, [seq.params])[0].double().cumsum(0)
+        target = torch.tensor([draw / 2**64 * float(cum[-1])], dtype=torch.float64)
+        return min(int(torch.searchsorted(cum, target, right=True)), self.vocab_size - 1)
