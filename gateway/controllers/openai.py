@@ -22,6 +22,7 @@ import anyio.to_thread
 import jinja2
 import msgspec
 from litestar import Controller, Request, Response, get, post
+from litestar.params import FromPath
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
@@ -81,7 +82,7 @@ class ModelsController(Controller):
         return ModelList(data=[Model(id=name) for name in served_names(request)])
 
     @get("/{model_id:path}", sync_to_thread=False)
-    def retrieve(self, request: Request[Any, Any, Any], model_id: str) -> Model:
+    def retrieve(self, request: Request[Any, Any, Any], model_id: FromPath[str]) -> Model:
         name = model_id.removeprefix("/")
         _check_model(request, name)
         return Model(id=name)
