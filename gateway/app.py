@@ -1,10 +1,12 @@
 """The gateway's Litestar app: ``create_app(cfg)`` assembles controllers, lifespans, dependencies
-and error handlers; nothing runs at import time."""
+and error handlers; nothing runs at import time. Every response carries an ``x-request-id``
+(``gateway.request_id``); with ``cors_origins``, CORS headers for those origins."""
 
 from dataclasses import dataclass
 from pathlib import Path
 
 from litestar import Litestar
+from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
@@ -27,6 +29,13 @@ from gateway.lifespan import (
     sessions_lifespan,
 )
 from gateway.openapi import openapi_json
+from gateway.request_id import HEADER as REQUEST_ID_HEADER
+from gateway.request_id import (
+    add_request_id_header,
+    install_log_filter,
+    remove_log_filter,
+    request_id_middleware,
+)
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
@@ -97,6 +106,22 @@ def create_app(cfg: GatewayConfig) -> Litestar:
         request_max_body_size=cfg.max_body_bytes,
         openapi_config=OpenAPIConfig(title="agentgate", version=_version()),
         plugins=[MetricsPlugin()],  # NOTE: GET /metrics; its lifespan runs after the ones above
+        middleware=[request_id_middleware],
+        before_send=[add_request_id_header],
+        on_startup=[install_log_filter],
+        on_shutdown=[remove_log_filter],
+        cors_config=_cors(cfg.cors_origins),
+    )
+
+
+def _cors(origins: tuple[str, ...]) -> CORSConfig | None:
+    """Browsers at ``origins`` may call the API (with a bearer key) and read the request id."""
+    if not origins:
+        return None
+    return CORSConfig(
+        allow_origins=list(origins), allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+        allow_headers=["Authorization", "Content-Type", REQUEST_ID_HEADER],
+        expose_headers=[REQUEST_ID_HEADER, "Retry-After"], max_age=600,
     )
 
 
