@@ -61,7 +61,15 @@ from gateway.schemas import (
 from gateway.schemas.sessions import TurnEnd, TurnParams, turn_sampling_spec
 from gateway.structured import StructuredError, tool_call_grammar
 from gateway.tenancy import cache_salt
-from sessions import Message, Session, StoreUnavailable, TurnPrompt, TurnRecord, TurnUsage
+from sessions import (
+    Message,
+    Session,
+    SessionTooLarge,
+    StoreUnavailable,
+    TurnPrompt,
+    TurnRecord,
+    TurnUsage,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -277,10 +285,14 @@ class Turn:
             reused_prompt_tokens=self.prompt.reused_tokens, started_at=self._started_at,
             first_token_s=self._tally.first_token_s, duration_s=time.perf_counter() - self._t0,
         )
-        await self._ctx.manager.finish_turn(
-            self.session, self.new, _assistant_dict(message), record, self.prompt.prefix_ids,
-            self.prompt.num_messages,
-        )
+        try:
+            await self._ctx.manager.finish_turn(
+                self.session, self.new, _assistant_dict(message), record,
+                self.prompt.prefix_ids, self.prompt.num_messages,
+            )
+        except SessionTooLarge:
+            await self._ctx.manager.abort_turn(self.session)  # NOTE: release, record nothing
+            raise
         return TurnEnd(
             session_id=self.session.id, turn=self.index, request_id=self.request_id,
             message=message, finish_reason=reason, usage=usage,

@@ -212,3 +212,20 @@ def _recv_error(ws: WebSocketTestSession) -> dict[str, Any]:
     assert frame["type"] == "error" and frame["error"]["message"], frame
     return frame
 
+
+
+def test_a_turn_that_would_overflow_the_session_bound_is_413_and_releases_it(
+    client: TestClient[Litestar],
+) -> None:
+    store = client.app.state.sessions.manager.store
+    sid = _create(client).json()["id"]
+    bound = store.max_session_bytes
+    store.max_session_bytes = 1500  # NOTE: a fresh session is a few hundred bytes
+    try:
+        resp = client.post(f"/v1/sessions/{sid}/turns", headers=KEY_A,
+                           json={"messages": _user("z" * 2000), "max_tokens": 2})
+        _assert_error(resp, 413, "messages", "session_too_large")
+        session = client.get(f"/v1/sessions/{sid}", headers=KEY_A).json()
+        assert session["messages"] == [] and not session["running"], session
+    finally:
+        store.max_session_bytes = bound
