@@ -112,7 +112,9 @@ class SessionsState:
     manager: SessionManager
     prompter: SessionPrompter
     retain_ttl_s: float | None
+    max_token_chars: int = 256  # the longest token's characters (``max_token_chars``)
     background: set[asyncio.Task[Any]] = field(default_factory=set)
+    leases: set[asyncio.Task[Any]] = field(default_factory=set)  # running turns' lease renewals
 
 
 @asynccontextmanager
@@ -131,15 +133,27 @@ async def sessions_lifespan(app: Litestar) -> AsyncIterator[None]:
         logger.error("session store: %s", exc)
         raise
     logger.info("session store: %s", "redis" if cfg.redis_url else "memory")
-    prompter = SessionPrompter.for_tokenizer(app.state.model.tokenizer)
-    app.state.sessions = state = SessionsState(SessionManager(store), prompter, cfg.retain_ttl_s)
+    tokenizer = app.state.model.tokenizer
+    prompter = SessionPrompter.for_tokenizer(tokenizer)
+    app.state.sessions = state = SessionsState(
+        SessionManager(store), prompter, cfg.retain_ttl_s, max_token_chars(tokenizer)
+    )
     try:
         yield
     finally:
         if state.background:
             await asyncio.wait(state.background, timeout=SHUTDOWN_TIMEOUT_S)
+        for task in state.leases:
+            task.cancel()
         await store.close()
         del app.state.sessions
+
+
+def max_token_chars(tokenizer: Tokenizer) -> int:
+    """An upper bound of the characters one token covers: its longest vocabulary entry (a
+    byte-level or SentencePiece token string is at least as long as the text it stands for)."""
+    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+    return max(1, max((len(token) for token in vocab), default=1))
 
 
 def provide_sessions(state: State) -> SessionsState:
