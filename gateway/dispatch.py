@@ -142,6 +142,9 @@ class Dispatcher:
         for attempt in itertools.count():
             client = await self._pick_for_attempt(request.session_id, tried, last_error)
             tried.append((client, client.epoch))
+            if last_error is not None:
+                reason = "overloaded" if isinstance(last_error, WorkerError) else "worker_lost"
+                self.num_retries[reason] += 1
             wire = request if attempt == 0 else msgspec.structs.replace(
                 request, request_id=f"{request.request_id}.retry{attempt}")
             started = False
@@ -166,8 +169,6 @@ class Dispatcher:
                         raise WorkersBusy(f"every worker tried is overloaded: {exc}") from exc
                     raise
                 last_error = exc
-                reason = "overloaded" if isinstance(exc, WorkerError) else "worker_lost"
-                self.num_retries[reason] += 1
                 logger.warning("retrying %s elsewhere: %s", request.request_id, exc)
 
     async def _pick_for_attempt(

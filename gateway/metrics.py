@@ -16,7 +16,7 @@ one observation per token delta. Everything runs on the gateway's event loop, so
     | request_cached_token_ratio                 | histogram |                  | Finished      |
     | worker_up, worker_in_flight_requests       | gauge     | worker           | WorkerClient  |
     | worker_running_requests, worker_waiting_requests | gauge | worker       | LoadReport    |
-    | worker_{reconnects,restarts}_total         | counter   | worker           | WorkerClient  |
+    | worker_{reconnects,new_instances}_total    | counter   | worker           | WorkerClient  |
     | dispatch_retries_total                     | counter   | reason           | Dispatcher    |
     | prompt_cache_{hits,misses,fallbacks,evictions,reused_tokens}_total | counter | | PromptCache |
     | prompt_cache_entries, prompt_cache_tokens  | gauge     |                  | PromptCache   |
@@ -221,18 +221,20 @@ class GatewayMetrics:
         waiting = _gauge("worker_waiting_requests", "num_waiting of its last LoadReport", labels)
         reconnects = _counter("worker_reconnects", "Times the worker answered again after it "
                               "was lost (connection lost, silent, restarted)", labels)
-        restarts = _counter("worker_restarts", "Times another worker process (instance_id) "
-                            "answered on the worker's endpoint", labels)
+        # NOTE: not worker_restarts_total: agentgate serve's Supervisor counts the restarts of
+        # the workers it spawned under that name; this one also sees attached workers
+        new_instances = _counter("worker_new_instances", "Times another worker process "
+                                 "(instance_id) answered on the worker's endpoint", labels)
         for client in self.dispatcher.clients:
             key = [client.endpoint]
             up.add_metric(key, float(client.is_alive))
             in_flight.add_metric(key, client.num_in_flight)
             reconnects.add_metric(key, client.num_reconnects)
-            restarts.add_metric(key, client.num_restarts)
+            new_instances.add_metric(key, client.num_new_instances)
             if client.is_alive and (load := client.last_load) is not None:
                 running.add_metric(key, load.num_running)
                 waiting.add_metric(key, load.num_waiting)
-        yield from (up, in_flight, running, waiting, reconnects, restarts)
+        yield from (up, in_flight, running, waiting, reconnects, new_instances)
         retries = _counter("dispatch_retries", "Requests moved to another worker before their "
                            "first token, by reason (worker_lost, overloaded)", ["reason"])
         for reason in ("worker_lost", "overloaded"):

@@ -130,7 +130,7 @@ class WorkerClient:
         instance_id: the worker process last heard from (None before the first Welcome).
         epoch: +1 each time the in-flight requests are lost (connection lost, silence, restart).
         num_reconnects: times the worker was alive again after being lost.
-        num_restarts: times another ``instance_id`` answered on the endpoint.
+        num_new_instances: times another ``instance_id`` answered on the endpoint.
     """
 
     def __init__(
@@ -162,7 +162,7 @@ class WorkerClient:
         self.instance_id: str | None = None
         self.epoch = 0
         self.num_reconnects = 0
-        self.num_restarts = 0
+        self.num_new_instances = 0
         self._sock: zmq.Socket[bytes] | None = None
         self._monitor: zmq.Socket[bytes] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -391,7 +391,7 @@ class WorkerClient:
         previous, self.instance_id = self.instance_id, instance_id
         if previous is None:
             return
-        self.num_restarts += 1
+        self.num_new_instances += 1
         logger.warning("worker at %s restarted (instance %s, was %s)", self.endpoint,
                        instance_id, previous)
         if self._expect_new_instance:

@@ -27,6 +27,7 @@ from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
 from engine.protocol import Finished, TokenDelta
+from gateway.disconnect import until_disconnect
 from gateway.dispatch import DispatchError
 from gateway.generation import (
     ChatDelta,
@@ -93,6 +94,10 @@ class CompletionsController(Controller):
 
     @post(status_code=200)
     async def create(self, request: Request[Any, Any, Any]) -> Response[Any]:
+        # NOTE: a client that leaves before the answer must not leave its request running
+        return await until_disconnect(request, self._create(request))
+
+    async def _create(self, request: Request[Any, Any, Any]) -> Response[Any]:
         model = _model(request)
         body = await request.body()
         req = await _maybe_off_loop(request, len(body), decode_completion_request, body)
@@ -114,6 +119,10 @@ class ChatCompletionsController(Controller):
 
     @post(status_code=200)
     async def create(self, request: Request[Any, Any, Any]) -> Response[Any]:
+        # NOTE: a client that leaves before the answer must not leave its request running
+        return await until_disconnect(request, self._create(request))
+
+    async def _create(self, request: Request[Any, Any, Any]) -> Response[Any]:
         model = _model(request)
         body = await request.body()
         req = await _maybe_off_loop(request, len(body), decode_chat_request, body)

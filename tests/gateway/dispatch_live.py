@@ -49,7 +49,8 @@ def serve_app(cfg: GatewayConfig, timeout_s: float = 30.0) -> Iterator[Served]:
     port = free_port()
     started = time.monotonic()
     app = create_app(cfg)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

@@ -77,8 +77,8 @@ def test_restart_fails_a_started_stream_at_once(
             assert waited_s < NOTICE_S, f"the stream ended {waited_s:.1f} s after the kill"
             await _wait_until(lambda: client.is_alive, "the client never reconnected")
             assert client.welcome.instance_id != first_instance, client.welcome
-            assert client.num_restarts == 1 and client.num_reconnects == 1, (
-                client.num_restarts, client.num_reconnects)
+            assert client.num_new_instances == 1 and client.num_reconnects == 1, (
+                client.num_new_instances, client.num_reconnects)
             finals = [i async for i in client.generate(_request(5)) if isinstance(i, Finished)]
             assert [f.completion_tokens for f in finals] == [5], finals
         finally:
@@ -109,7 +109,7 @@ def test_json_request_is_retried_on_the_restarted_worker(
         [resp] = replies
         assert resp.status_code == 200, (resp.status_code, resp.text)
         assert resp.json()["usage"]["completion_tokens"] == 200, resp.text
-        assert client.num_restarts == 1, client.num_restarts
+        assert client.num_new_instances == 1, client.num_new_instances
 
 
 def test_sse_stream_of_a_restarted_worker_ends_with_an_error(
@@ -181,7 +181,7 @@ def test_metrics_follow_a_worker_that_goes_and_comes_back(
                    "the load gauges never came back")
         back = _worker_samples(served.http, endpoint)
         assert back["worker_reconnects_total"] == before["worker_reconnects_total"] + 1, back
-        assert back["worker_restarts_total"] == before["worker_restarts_total"] + 1, back
+        assert back["worker_new_instances_total"] == before["worker_new_instances_total"] + 1, back
 
 
 # ---------------------------------------------------------------------- helpers

@@ -1,0 +1,68 @@
+"""Stop a request's work when its HTTP client goes away before the answer.
+
+A streamed answer needs nothing here: litestar's streaming response listens for the client's
+``http.disconnect`` and cancels the body's generator, whose ``finally`` aborts the worker request.
+A non-streamed handler, though, is awaited to its end: the ASGI server reports a disconnect only
+to a ``receive()`` call, and nobody calls ``receive()`` once the body is read. So a client that
+sent a long request and went away (a timeout, a flood of retries) left it running on a worker.
+
+``until_disconnect(request, work)`` awaits ``work`` in the handler's task while a watcher task
+waits on ``receive()``; a disconnect cancels the handler's task, so the ``finally`` blocks under
+``work`` abort the worker request (``WorkerClient.generate`` sends ``Abort``), and the handler
+raises ``ClientDisconnected`` (499, nginx's "client closed request": counted in the metrics, sent
+to nobody).
+"""
+
+import asyncio
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+from litestar import Request
+from litestar.exceptions import HTTPException
+from litestar.types import Receive
+
+CLIENT_CLOSED_REQUEST = 499
+_T = TypeVar("_T")
+
+
+class ClientDisconnected(HTTPException):
+    """The client closed the connection before the answer; its work was cancelled."""
+
+    status_code = CLIENT_CLOSED_REQUEST
+
+
+async def until_disconnect(request: Request[Any, Any, Any], work: Awaitable[_T]) -> _T:
+    """``await work``, cancelled when the client disconnects first.
+
+    NOTE: reads (and caches) the body first, so that the watcher's ``receive()`` never races the
+    handler's reading of it. Only for handlers that answer once (not for a streamed body: its
+    response listens for the disconnect itself, and two listeners would race).
+
+    Raises:
+        ClientDisconnected: the client went away; ``work`` was cancelled and has unwound.
+    """
+    await request.body()
+    task = asyncio.current_task()
+    assert task is not None, "until_disconnect() outside a task"
+    gone = asyncio.Event()
+    watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(request.receive,
+                                                                           task, gone))
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not gone.is_set():
+            raise
+        task.uncancel()  # NOTE: our own cancel, not the server's: it ends here
+        raise ClientDisconnected(detail="client closed request") from None
+    finally:
+        watcher.cancel()
+
+
+async def _cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any],
+                                gone: asyncio.Event) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            gone.set()
+            task.cancel()
+            return
