@@ -38,12 +38,18 @@ def gateway(tokenizer_dir: Path) -> Iterator[LiveGateway]:
 
 def _chat(stream: bool) -> dict[str, Any]:
     return {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "stop": [STOP],
-            "max_tokens": MAX_TOKENS, "stream": stream}
+            "max_tokens": MAX_TOKENS, "stream": stream, "logprobs": True}
 
 
 def _completion(stream: bool) -> dict[str, Any]:
     return {"model": "demo", "prompt": "hi", "stop": STOP, "max_tokens": MAX_TOKENS,
-            "stream": stream}
+            "stream": stream, "logprobs": 1}
+
+
+def _num_logprobs(choices: list[dict[str, Any]]) -> int:
+    """Tokens with a logprob in chat (``content``) or completions (``tokens``) choices."""
+    lps = [c.get("logprobs") or {} for c in choices]
+    return sum(len(lp.get("content") or lp.get("tokens") or []) for lp in lps)
 
 
 def _sse(resp: httpx.Response) -> list[dict[str, Any]]:
@@ -51,8 +57,11 @@ def _sse(resp: httpx.Response) -> list[dict[str, Any]]:
     return [json.loads(ln) for ln in lines if ln != "[DONE]"]
 
 
-def _openai(http: httpx.Client, path: str, body: dict[str, Any]) -> tuple[str, str, dict]:
-    """(text, finish_reason, usage) of a chat or completions answer, streamed or not."""
+def _openai(
+    http: httpx.Client, path: str, body: dict[str, Any]
+) -> tuple[str, str, dict, int]:
+    """(text, finish_reason, usage, tokens with logprobs) of a chat or completions answer,
+    streamed or not."""
     if body["stream"]:
         body = body | {"stream_options": {"include_usage": True}}
         with http.stream("POST", path, json=body) as resp:
@@ -63,13 +72,13 @@ def _openai(http: httpx.Client, path: str, body: dict[str, Any]) -> tuple[str, s
                        for c in choices)
         [reason] = [c["finish_reason"] for c in choices if c.get("finish_reason")]
         [usage] = [e["usage"] for e in events if e.get("usage")]
-        return text, reason, usage
+        return text, reason, usage, _num_logprobs(choices)
     resp = http.post(path, json=body)
     assert resp.status_code == 200, resp.text
     answer = resp.json()
     [choice] = answer["choices"]
     text = choice["message"]["content"] if "message" in choice else choice["text"]
-    return text or "", choice["finish_reason"], answer["usage"]
+    return text or "", choice["finish_reason"], answer["usage"], _num_logprobs([choice])
 
 
 def _turn(http: httpx.Client, stream: bool) -> tuple[str, str, dict]:
@@ -90,18 +99,18 @@ def _turn(http: httpx.Client, stream: bool) -> tuple[str, str, dict]:
     return end["message"]["content"] or "", end["finish_reason"], end["usage"]
 
 
-def _running_requests(http: httpx.Client) -> int:
-    metrics = http.get("/metrics").text
-    lines = [ln for ln in metrics.splitlines() if ln.startswith("agentgate_worker_running")]
-    assert lines, metrics
-    return sum(int(float(ln.rsplit(" ", 1)[1])) for ln in lines)
+def _running_requests(http: httpx.Client) -> int | None:
+    """The worker's running requests by its last LoadReport (None: no report yet)."""
+    lines = [ln for ln in http.get("/metrics").text.splitlines()
+             if ln.startswith("agentgate_worker_running_requests")]
+    return sum(int(float(ln.rsplit(" ", 1)[1])) for ln in lines) if lines else None
 
 
 def _assert_idle_soon(http: httpx.Client) -> None:
     deadline = time.monotonic() + IDLE_WITHIN_S
-    while (running := _running_requests(http)) and time.monotonic() < deadline:
+    while (running := _running_requests(http)) != 0 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert running == 0, f"the worker still runs {running} request(s) {IDLE_WITHIN_S} s after"
+    assert running == 0, f"the worker runs {running} request(s) {IDLE_WITHIN_S} s after"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -111,10 +120,13 @@ def test_stop_string_ends_the_worker_request(
 ) -> None:
     with httpx.Client(base_url=gateway.base_url, timeout=120) as http:
         t0 = time.monotonic()
+        num_logprobs = None
         if api == "chat":
-            text, reason, usage = _openai(http, "/v1/chat/completions", _chat(stream))
+            text, reason, usage, num_logprobs = _openai(
+                http, "/v1/chat/completions", _chat(stream))
         elif api == "completions":
-            text, reason, usage = _openai(http, "/v1/completions", _completion(stream))
+            text, reason, usage, num_logprobs = _openai(
+                http, "/v1/completions", _completion(stream))
         else:
             text, reason, usage = _turn(http, stream)
         elapsed_s = time.monotonic() - t0
@@ -123,6 +135,8 @@ def test_stop_string_ends_the_worker_request(
         assert 1 <= usage["completion_tokens"] <= EARLY_TOKENS, usage
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
         assert usage["prompt_tokens"] > 0, usage
+        if num_logprobs is not None:  # NOTE: one per billed token, none past the stop
+            assert num_logprobs == usage["completion_tokens"], (num_logprobs, usage)
         # NOTE: generous: a stopped answer takes about 1 s here; the whole run, over 13 s
         assert elapsed_s < FULL_RUN_S / 2, f"{elapsed_s:.1f} s for {usage}"
         _assert_idle_soon(http)

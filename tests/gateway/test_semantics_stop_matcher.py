@@ -13,9 +13,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.protocol import Finished, TokenDelta
+from engine.protocol import Finished, SamplingSpec, TokenDelta
 from gateway.dispatch import StreamItem
-from gateway.generation import OutputOptions, Started, StopMatcher, chat_result, pieces
+from gateway.generation import (
+    STOP_CHECK_INTERVAL_S,
+    WHOLE_ANSWER_INTERVAL_S,
+    OutputOptions,
+    Started,
+    StopMatcher,
+    build_generate,
+    chat_result,
+    pieces,
+)
 from gateway.lifespan import ModelState, load_model
 from gateway.metrics import StreamStats
 from gateway.tokenizer import write_demo_tokenizer
@@ -179,3 +188,15 @@ def test_chat_result_bills_only_up_to_the_stop(model: ModelState) -> None:
     assert result.message.content == "one "  # type: ignore[attr-defined]
     assert result.usage.completion_tokens == n and len(result.logprobs) == n  # type: ignore
     assert result.finish_reason == "stop" and worker.closed_early  # type: ignore[attr-defined]
+
+
+def test_a_whole_answer_with_stop_strings_is_sent_in_short_intervals() -> None:
+    """The worker holds a whole answer's tokens back for up to 1 s; with a stop string that
+    would be a second of tokens generated past the stop before the abort."""
+    spec = SamplingSpec(max_new_tokens=8)
+    plain = build_generate([1], spec, request_id="a", stream=False)
+    stopped = build_generate([1], spec, request_id="b", stream=False, stop_strings=["\n"])
+    streamed = build_generate([1], spec, request_id="c", stream=True, stop_strings=["\n"])
+    assert plain.stream_interval_s == WHOLE_ANSWER_INTERVAL_S
+    assert stopped.stream_interval_s == STOP_CHECK_INTERVAL_S <= 0.1
+    assert streamed.stream_interval_s == 0.0
