@@ -7,9 +7,10 @@ also holds ``m``, the msgpack ``SessionSummary`` that ``list`` reads, so a page 
 whole sessions.
 
 A tenant's sessions are listed from an index, a sorted set ``{prefix}@index:{tenant}`` of ids
-(all scored 0, so ``ZRANGEBYLEX`` pages them by id), kept beside the sessions: added on create,
-removed on delete, its TTL refreshed on every write; ids whose session expired are dropped when
-a listing meets them. A session is at most ``max_session_bytes`` encoded (``SessionTooLarge``).
+(all scored 0, so ``ZRANGEBYLEX`` pages them by id), kept beside the sessions: added on every
+write, removed on delete, its TTL refreshed on every write; ids whose session expired are
+dropped when a listing meets them. A session is at most ``max_session_bytes`` encoded
+(``SessionTooLarge``).
 
 Every Redis failure surfaces as ``StoreUnavailable``.
 """
@@ -122,8 +123,11 @@ class RedisSessionStore:
                 keys=[self.key(session.tenant, session.id)],
                 args=[session.version, stored.version, data, self._ttl_ms, summary], client=pipe,
             )
+            # NOTE: re-added on every write: an index entry lost between create's two steps
+            # comes back (an id whose session is gone is dropped by the next listing)
+            pipe.zadd(self.index_key(session.tenant), {session.id: 0})
             pipe.pexpire(self.index_key(session.tenant), self._ttl_ms)
-            result, _ = await pipe.execute()
+            result, _, _ = await pipe.execute()
         if result == -1:
             raise SessionNotFound(session.id)
         if result != 1:
