@@ -11,10 +11,13 @@
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from engine.protocol import Finished, Generate, SamplingSpec, TokenDelta
@@ -22,7 +25,7 @@ from engine.sampling_params import StructuredSpec
 from gateway.app import GatewayConfig
 from gateway.dispatch import Dispatcher, WorkerClient, WorkerError, WorkersBusy
 from gateway.serve import WorkerProcess
-from tests.gateway.dispatch_live import serve_app
+from tests.gateway.dispatch_live import Served, serve_app
 from tests.gateway.live import start_sim_worker
 
 LONG_TOKENS = 8000  # NOTE: ~45 s on a paced worker: in flight for the whole test
@@ -85,6 +88,35 @@ def test_sessions_started_one_at_a_time_spread_over_the_workers(
                 await stream.aclose()  # type: ignore[attr-defined]
 
     _run_on(paced, main)
+
+
+def test_session_turns_over_http_spread_over_the_workers(
+    paced: tuple[WorkerProcess, WorkerProcess], tokenizer_dir: Path
+) -> None:
+    """The issue's scenario through the session API: 20 sessions, each with a first turn one at
+    a time, then 20 concurrent turns (paced: ~300 tokens take seconds, so all are in flight)."""
+    cfg = GatewayConfig(model_dir=tokenizer_dir, workers=(paced[0].listen, paced[1].listen),
+                        model_name="demo")
+    with serve_app(cfg, timeout_s=TEST_TIMEOUT_S) as served:
+        sids = []
+        for _ in range(NUM_SESSIONS):
+            resp = served.http.post("/v1/sessions", json={"system": "Be brief."})
+            assert resp.status_code in (200, 201), resp.text
+            sids.append(resp.json()["id"])
+            assert _turn(served, sids[-1], 2).status_code == 200
+        clients = served.app.state.dispatcher.clients
+        peak = [0, 0]
+        with ThreadPoolExecutor(NUM_SESSIONS) as pool:
+            turns = [pool.submit(_turn, served, sid, 300) for sid in sids]
+            deadline = time.monotonic() + TEST_TIMEOUT_S
+            while sum(peak) < NUM_SESSIONS and time.monotonic() < deadline:
+                counts = [c.num_in_flight for c in clients]
+                if sum(counts) > sum(peak):
+                    peak = counts
+                time.sleep(0.01)
+            statuses = [t.result().status_code for t in turns]
+        assert statuses == [200] * NUM_SESSIONS, statuses
+        assert min(peak) >= 6, f"in flight per worker at the peak: {peak}"
 
 
 @pytest.mark.parametrize("case", ["invalid_grammar", "invalid_request", "context_too_long"])
@@ -201,6 +233,11 @@ def _run_on(
                 client.close()
 
     _run(main())
+
+
+def _turn(served: Served, session_id: str, max_tokens: int) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": max_tokens}
+    return served.http.post(f"/v1/sessions/{session_id}/turns", json=body)
 
 
 def _run(coro: Coroutine[Any, Any, None]) -> None:
