@@ -13,7 +13,10 @@ HTTP server:
 
 import asyncio
 import json
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +32,7 @@ from gateway.app import GatewayConfig
 from gateway.dispatch import WorkerClient, WorkerDead
 from gateway.serve import WorkerProcess
 from tests.gateway.dispatch_live import free_endpoint, serve_app, start_worker_on
+from tests.gateway.live import TEST_TENANT_SECRET, free_port
 
 URL = "/v1/chat/completions"
 LONG_TOKENS = 4000  # NOTE: ~25 s on a paced (--cost cpu) worker: surely running when killed
@@ -156,6 +160,35 @@ def test_gateway_starts_without_its_worker_and_uses_it_once_up(
         assert time.monotonic() - up_at < 15.0
 
 
+def test_serve_attached_to_a_worker_that_is_down_uses_it_once_up(
+    endpoint: str, workers: list[WorkerProcess], tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """``agentgate serve --worker ENDPOINT`` with nothing on ENDPOINT: it serves at once
+    (``/health`` 200, ``/ready`` and requests 503), and the worker started later is used."""
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", str(tokenizer_dir),
+           "--host", "127.0.0.1", "--port", str(port), "--worker", endpoint,
+           "--served-model-name", "demo"]
+    env = {**os.environ, "AGENTGATE_TENANT_SECRET": TEST_TENANT_SECRET}
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        with httpx.Client(base_url=base_url, timeout=30.0) as http:
+            _wait_sync(lambda: proc.poll() is None and _answers(http, "/health"),
+                       f"serve never answered: {log_path.read_text()}", timeout_s=60.0)
+            assert http.get("/ready").status_code == 503
+            assert http.post(URL, json=_chat(max_tokens=4)).status_code == 503
+            workers.append(start_worker_on(endpoint, "late"))
+            resp = _post_until_ok(http, _chat(max_tokens=4), timeout_s=15.0)
+            assert resp.json()["usage"]["completion_tokens"] == 4, resp.text
+            assert http.get("/ready").status_code == 200
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
 def test_metrics_follow_a_worker_that_goes_and_comes_back(
     endpoint: str, workers: list[WorkerProcess], tokenizer_dir: Path
 ) -> None:
@@ -213,6 +246,13 @@ def _wait_sync(check: Any, what: str, timeout_s: float = 10.0) -> None:
     while not check():
         assert time.monotonic() < deadline, what
         time.sleep(0.05)
+
+
+def _answers(http: httpx.Client, path: str) -> bool:
+    try:
+        return http.get(path).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def _post_until_ok(http: httpx.Client, body: dict[str, Any], timeout_s: float) -> httpx.Response:
