@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -225,20 +226,22 @@ async def chat_deltas(
     texts = TokenTexts(model.tokenizer)
     parser = ToolCallStreamParser(id_seed=started.request_id) if opts.parse_tools else None
     pending: list[TokenLogprob] = []
-    async for piece in pieces(started, model, opts.stop_strings):
-        if isinstance(piece, Finished):
-            events = parser.finish() if parser is not None else []
+    async with aclosing(pieces(started, model, opts.stop_strings)) as stream:
+        async for piece in stream:
+            if isinstance(piece, Finished):
+                events = parser.finish() if parser is not None else []
+                for delta in filter(None, map(_delta, events)):
+                    yield ChatDelta(delta, _take(pending, opts.logprobs))
+                has_calls = parser is not None and parser.num_calls > 0
+                reason = finish_reason(piece, has_calls)
+                yield ChatEnd(reason, usage_of(piece), _take(pending, opts.logprobs))
+                return
+            if opts.logprobs and piece.logprobs is not None:
+                pending += chat_logprobs(
+                    texts, piece.token_ids, piece.logprobs, piece.top_logprobs)
+            events = parser.feed(piece.text) if parser is not None else [ContentDelta(piece.text)]
             for delta in filter(None, map(_delta, events)):
                 yield ChatDelta(delta, _take(pending, opts.logprobs))
-            has_calls = parser is not None and parser.num_calls > 0
-            reason = finish_reason(piece, has_calls)
-            yield ChatEnd(reason, usage_of(piece), _take(pending, opts.logprobs))
-            return
-        if opts.logprobs and piece.logprobs is not None:
-            pending += chat_logprobs(texts, piece.token_ids, piece.logprobs, piece.top_logprobs)
-        events = parser.feed(piece.text) if parser is not None else [ContentDelta(piece.text)]
-        for delta in filter(None, map(_delta, events)):
-            yield ChatDelta(delta, _take(pending, opts.logprobs))
 
 
 async def chat_result(started: Started, model: ModelState, opts: OutputOptions) -> ChatResult:
@@ -247,14 +250,16 @@ async def chat_result(started: Started, model: ModelState, opts: OutputOptions) 
     token_ids: list[int] = []
     logprobs: list[TokenLogprob] = []
     texts = TokenTexts(model.tokenizer)
-    async for piece in pieces(started, model, opts.stop_strings):
-        if isinstance(piece, Finished):
-            finished = piece
-            break
-        text.append(piece.text)
-        token_ids += piece.token_ids
-        if opts.logprobs and piece.logprobs is not None:
-            logprobs += chat_logprobs(texts, piece.token_ids, piece.logprobs, piece.top_logprobs)
+    async with aclosing(pieces(started, model, opts.stop_strings)) as stream:
+        async for piece in stream:
+            if isinstance(piece, Finished):
+                finished = piece
+                break
+            text.append(piece.text)
+            token_ids += piece.token_ids
+            if opts.logprobs and piece.logprobs is not None:
+                logprobs += chat_logprobs(
+                    texts, piece.token_ids, piece.logprobs, piece.top_logprobs)
     parsed = (
         parse_tool_calls("".join(text), id_seed=started.request_id)
         if opts.parse_tools else None
