@@ -236,6 +236,7 @@ class Worker:
                                         context=self._ctx)
         except zmq.ZMQError:
             self._router.close(linger=0)
+            self._grammars.close()
             raise
 
     def _make_welcome(self) -> Welcome:

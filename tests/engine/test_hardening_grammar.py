@@ -18,6 +18,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.grammar import GrammarCompiler
+from engine.grammar_jobs import GrammarJobs
 from engine.models.checkpoint import DEMO_CONFIG
 from engine.protocol import Abort, Finished, GetLoad, LoadReport
 from engine.sampling_params import StructuredSpec
@@ -164,7 +165,34 @@ def test_the_grammar_cache_is_bounded_in_bytes(grammar_model_dir: Path) -> None:
     assert matcher.allowed(VOCAB).any() and too_big.num_cached == 0 == too_big.cache_bytes
 
 
+def test_a_compile_nobody_waits_for_does_not_hold_a_thread(grammar_model_dir: Path) -> None:
+    compiler = GrammarCompiler(str(grammar_model_dir), VOCAB, EOS)
+    jobs = GrammarJobs(compiler, num_threads=1, timeout_s=60.0)
+    slow = StructuredSpec(json_schema=_schema(4000, "slow"))
+    jobs.submit("slow", slow)
+    jobs.submit("small", StructuredSpec(json_schema=_schema(3, "small")))
+    assert jobs.poll() == [] and jobs.num_waiting == 2  # NOTE: "small" queued behind "slow"
+    jobs.cancel("slow")
+    results = _poll_until(jobs, 1)
+    assert [type(r).__name__ for r in results] == ["Ready"] and results[0].request_id == "small"
+    assert jobs.num_jobs == 1, "the slow compile runs on (it cannot be interrupted)"
+    _wait_until(lambda: not jobs.poll() and jobs.num_jobs == 0, "the slow compile to end")
+    assert compiler.cached(slow) is not None, "a compile that ended in budget is kept for a retry"
+
+
 # ---------------------------------------------------------------------- helpers
+
+
+def _poll_until(jobs: GrammarJobs, num_results: int, timeout_s: float = 60.0) -> list[object]:
+    """``jobs.poll()`` until ``num_results`` came (bounded)."""
+    results: list[object] = []
+    deadline = time.monotonic() + timeout_s
+    while len(results) < num_results:
+        assert time.monotonic() < deadline, f"{results} after {timeout_s} s"
+        results += jobs.poll()
+        time.sleep(0.02)
+    return results
+
 
 
 @pytest.fixture
