@@ -15,8 +15,8 @@ for a reason of the worker's, before it streamed a token:
     | WorkerDead, started=False (lost, silent, restart) | yes      | WorkerDead            |
     | WorkerDead, started=True                          | never    | WorkerDead (502)      |
     | WorkerError "overloaded"                          | yes      | WorkersBusy (429)     |
-    | any other WorkerError (invalid_grammar,           | never: the request's own fault, the  |
-    |   invalid_request, context_too_long, internal...) |   same on every worker            |
+    | any other WorkerError: invalid_grammar,           | never    | WorkerError: the      |
+    |   invalid_request, context_too_long, internal...  |          | same on every worker  |
     | DispatchTimeout, StreamOverflow                   | never    | as raised             |
 
 A retry goes to a worker not yet tried, or to a tried one that has come back since (a new
