@@ -182,7 +182,7 @@ async def _start(
     prefix = "chatcmpl" if param == "messages" else "cmpl"
     generate = build_generate(
         input_ids, spec, request_id=new_request_id(prefix), cache_salt=salt, stream=req.stream,
-        session_id=_affinity_key(req, salt),
+        session_id=_affinity_key(req, salt), stop_strings=req.stop_strings,
     )
     started = await start(request.app.state.dispatcher, generate)
     return _Head(generate.request_id, served_names(request)[0], int(time.time())), started
