@@ -68,13 +68,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> list[argparse
         add("--dtype", help="native backend: float32, bfloat16 or auto"),
         add("--device", help="native backend: cpu or cuda (default: cuda if available)"),
         add("--grammar-timeout-s", type=float, default=10.0,
-            help="a grammar compiling longer fails with invalid_grammar (default %(default)s)"),
+            help="a grammar compiling longer fails with invalid_grammar (default: %(default)s)"),
         add("--max-grammar-bytes", type=int, default=256 * 2**10,
-            help="largest json_schema/lark text accepted, in bytes (default %(default)s)"),
+            help="largest json_schema/lark text accepted, in bytes (default: %(default)s)"),
         add("--grammar-cache-mb", type=int, default=128,
-            help="compiled-grammar cache bound, estimated MiB (default %(default)s)"),
+            help="compiled-grammar cache bound, estimated MiB (default: %(default)s)"),
         add("--client-timeout-s", type=float, default=10.0,
-            help="abort the requests of a client silent this long (default %(default)s)"),
+            help="abort the requests of a client silent this long (default: %(default)s)"),
     ]
 
 
