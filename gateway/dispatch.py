@@ -60,7 +60,6 @@ logger = logging.getLogger(__name__)
 
 # NOTE: the only worker error codes worth another worker; every other code is about the request
 RETRYABLE_CODES = frozenset({"overloaded"})
-RETRY_POLL_S = 0.05
 
 
 class WorkersBusy(DispatchError):
@@ -99,6 +98,9 @@ class Dispatcher:
         self._sessions: OrderedDict[str, WorkerClient] = OrderedDict()
         self._num_sessions: Counter[WorkerClient] = Counter()  # NOTE: of each worker
         self._next = 0  # NOTE: where the round robin of ties starts
+        self._alive_waiters: list[asyncio.Future[None]] = []
+        for client in self.clients:
+            client.alive_listeners.append(self._wake)
 
     def pick(
         self, session_id: str | None = None, exclude: Iterable[WorkerClient] = ()
@@ -191,9 +193,30 @@ class Dispatcher:
             except NoWorkerAvailable as exc:
                 if isinstance(last_error, WorkerError):
                     raise WorkersBusy(f"every live worker is overloaded: {last_error}") from exc
-                if last_error is None or time.monotonic() >= deadline:
+                if last_error is None or (left_s := deadline - time.monotonic()) <= 0:
                     raise
-            await asyncio.sleep(RETRY_POLL_S)
+            await self._some_worker_alive(left_s)
+
+    async def _some_worker_alive(self, timeout_s: float) -> None:
+        """Return when a worker turns alive (or after ``timeout_s``).
+
+        NOTE: woken by the clients (``alive_listeners``), not by polling: after a worker is lost,
+        every one of its requests may be waiting here at once."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._alive_waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout_s)
+        except TimeoutError:
+            pass
+        finally:
+            if waiter in self._alive_waiters:
+                self._alive_waiters.remove(waiter)
+
+    def _wake(self) -> None:
+        for waiter in self._alive_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._alive_waiters.clear()
 
     def _sticky(self, session_id: str | None, excluded: set[WorkerClient]) -> WorkerClient | None:
         if session_id is None or (client := self._sessions.get(session_id)) is None:

@@ -131,6 +131,7 @@ class WorkerClient:
         epoch: +1 each time the in-flight requests are lost (connection lost, silence, restart).
         num_reconnects: times the worker was alive again after being lost.
         num_new_instances: times another ``instance_id`` answered on the endpoint.
+        alive_listeners: called (no arguments) each time the client turns alive.
     """
 
     def __init__(
@@ -163,6 +164,7 @@ class WorkerClient:
         self.epoch = 0
         self.num_reconnects = 0
         self.num_new_instances = 0
+        self.alive_listeners: list[Callable[[], None]] = []  # NOTE: called on turning alive
         self._sock: zmq.Socket[bytes] | None = None
         self._monitor: zmq.Socket[bytes] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -370,6 +372,8 @@ class WorkerClient:
                 logger.warning("worker %s at %s is back", msg.worker_id, self.endpoint)
             self.is_alive = self._was_alive = True
             self._hello_retry_s = self.heartbeat_s
+            for listener in self.alive_listeners:
+                listener()
         for waiter in self._welcome_waiters:
             if not waiter.done():
                 waiter.set_result(msg)
