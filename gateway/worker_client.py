@@ -63,6 +63,7 @@ StreamItem = TokenDelta | Finished
 RECONNECT_IVL_MS = 100  # NOTE: ZeroMQ's first reconnect delay, doubled on each failure ...
 RECONNECT_IVL_MAX_MS = 2000  # ... up to this
 HELLO_RETRY_MAX_S = 5.0
+CLOSE_LINGER_MS = 1000
 _MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 _client_ids = itertools.count()
 
@@ -304,11 +305,15 @@ class WorkerClient:
             raise DispatchTimeout(f"no LoadReport from {self.name} in {timeout_s} s") from None
 
     def close(self) -> None:
-        """Stop the tasks, fail what is in flight, close the socket. Safe to call twice."""
+        """Stop the tasks, fail what is in flight (and abort it on the worker), close the socket.
+        Safe to call twice."""
         for task in self._tasks:
             task.cancel()
         self._tasks = []
-        self._fail_all(lambda _: DispatchError(f"client of {self.name} closed"))
+        failed = self._fail_all(lambda _: DispatchError(f"client of {self.name} closed"))
+        if self.is_alive:
+            for rid in failed:
+                self._send(Abort(request_id=rid))
         self.is_alive = False
         self._reject_welcome_waiters(HandshakeError(f"client of {self.endpoint} closed"))
         if self._sock is None:
@@ -319,9 +324,10 @@ class WorkerClient:
                 if sock is not None:
                     self._loop.remove_reader(sock.getsockopt(zmq.FD))
         self._sock.disable_monitor()
-        for sock in sockets:
-            if sock is not None:
-                sock.close(linger=0)
+        # NOTE: the linger lets the Aborts go out; close() itself never blocks
+        self._sock.close(linger=CLOSE_LINGER_MS if failed else 0)
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
         self._sock = self._monitor = None
 
     # ------------------------------------------------------------------ private: receive

@@ -112,6 +112,25 @@ def test_aclose_mid_stream_aborts_the_request(workers: tuple[WorkerProcess, Work
 Workers = tuple[WorkerProcess, WorkerProcess]
 
 
+def test_close_aborts_what_is_in_flight(workers: tuple[WorkerProcess, WorkerProcess]) -> None:
+    """A gateway that shuts down (or ends its requests at the drain timeout) leaves nothing
+    running on a worker it attached to."""
+
+    async def main() -> None:
+        client, watcher = await _make_client(workers[0]), await _make_client(workers[0])
+        try:
+            stream = client.generate(_make_request(LONG_TOKENS))
+            assert isinstance(await anext(stream), TokenDelta)
+            assert (await watcher.load()).num_running == 1, "the request ended by itself"
+            client.close()
+            await _assert_stops_running(watcher)
+        finally:
+            client.close()
+            watcher.close()
+
+    _run(main())
+
+
 def test_first_token_timeout_raises_and_aborts(workers: Workers) -> None:
     async def main() -> None:
         client = await _make_client(workers[0])
