@@ -109,7 +109,8 @@ def test_session_turns_over_http_spread_over_the_workers(
         with ThreadPoolExecutor(NUM_SESSIONS) as pool:
             turns = [pool.submit(_turn, served, sid, 300) for sid in sids]
             deadline = time.monotonic() + TEST_TIMEOUT_S
-            while sum(peak) < NUM_SESSIONS and time.monotonic() < deadline:
+            while (sum(peak) < NUM_SESSIONS and not all(t.done() for t in turns)
+                   and time.monotonic() < deadline):
                 counts = [c.num_in_flight for c in clients]
                 if sum(counts) > sum(peak):
                     peak = counts
