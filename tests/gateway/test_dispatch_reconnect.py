@@ -31,7 +31,7 @@ from engine.protocol import Finished, Generate, SamplingSpec, TokenDelta
 from gateway.app import GatewayConfig
 from gateway.dispatch import WorkerClient, WorkerDead
 from gateway.serve import WorkerProcess
-from tests.gateway.dispatch_live import free_endpoint, serve_app, start_worker_on
+from tests.gateway.dispatch_live import SwapProxy, free_endpoint, serve_app, start_worker_on
 from tests.gateway.live import TEST_TENANT_SECRET, free_port
 
 URL = "/v1/chat/completions"
@@ -91,6 +91,46 @@ def test_restart_fails_a_started_stream_at_once(
             assert [f.completion_tokens for f in finals] == [5], finals
         finally:
             client.close()
+
+    asyncio.run(asyncio.wait_for(main(), TEST_TIMEOUT_S))
+
+
+def test_a_new_instance_behind_an_unbroken_connection_fails_the_old_requests(
+    endpoint: str, workers: list[WorkerProcess]
+) -> None:
+    """A restart the socket monitor cannot see (a proxy keeps the TCP connection): the new
+    ``instance_id`` in the next heartbeat's LoadReport alone fails the old process's requests,
+    and a Hello makes the client alive again on the new process."""
+    workers.append(start_worker_on(endpoint, "incarnation", "cpu"))
+
+    async def main() -> None:
+        proxy = SwapProxy(int(endpoint.rsplit(":", 1)[1]))
+        await proxy.start()
+        client = WorkerClient(proxy.endpoint, heartbeat_s=0.5, dead_after_s=30.0,
+                              first_token_timeout_s=40.0, idle_timeout_s=40.0)
+        try:
+            await client.connect()
+            first_instance, epoch = client.instance_id, client.epoch
+            stream = client.generate(_request(LONG_TOKENS))
+            assert isinstance(await anext(stream), TokenDelta)
+            await _kill_and_restart(workers, endpoint, "cpu")
+            await proxy.swap()
+            swapped_at = time.monotonic()
+            with pytest.raises(WorkerDead) as info:
+                async for _ in stream:
+                    pass
+            waited_s = time.monotonic() - swapped_at
+            assert info.value.started, info.value
+            assert waited_s < NOTICE_S, f"the stream ended {waited_s:.1f} s after the swap"
+            await _wait_until(lambda: client.is_alive, "the client never said Hello again")
+            assert client.instance_id != first_instance and client.epoch == epoch + 1, (
+                client.instance_id, client.epoch)
+            assert client.num_new_instances == 1, client.num_new_instances
+            finals = [i async for i in client.generate(_request(5)) if isinstance(i, Finished)]
+            assert [f.completion_tokens for f in finals] == [5], finals
+        finally:
+            client.close()
+            proxy.close()
 
     asyncio.run(asyncio.wait_for(main(), TEST_TIMEOUT_S))
 
