@@ -1,5 +1,5 @@
-"""The ``Dispatcher``: routes requests over the ``WorkerClient``s (``gateway.worker_client``, whose
-names this module re-exports), one per engine worker.
+"""The ``Dispatcher``: routes requests over the ``WorkerClient``s (``gateway.worker_client``), one
+per engine worker. This module re-exports the client and the errors (``gateway.dispatch_errors``).
 
 Routing: a session stays on its worker while that worker is alive. Otherwise (a new session, a
 request without one, or a session whose worker is gone) the dispatcher picks the live worker with
@@ -37,18 +37,17 @@ from collections.abc import AsyncIterator, Iterable
 import msgspec
 
 from engine.protocol import Generate, TokenDelta
-from gateway.metrics import StreamStats
-from gateway.worker_client import (
+from gateway.dispatch_errors import (
     DispatchError,
     DispatchTimeout,
     HandshakeError,
     NoWorkerAvailable,
-    StreamItem,
     StreamOverflow,
-    WorkerClient,
     WorkerDead,
     WorkerError,
 )
+from gateway.metrics import StreamStats
+from gateway.worker_client import StreamItem, WorkerClient
 
 __all__ = [
     "DispatchError", "DispatchTimeout", "Dispatcher", "HandshakeError", "NoWorkerAvailable",

@@ -1,4 +1,4 @@
-"""An async ZeroMQ client for one engine worker (``WorkerClient``) and the errors of dispatch.
+"""An async ZeroMQ client for one engine worker: ``WorkerClient`` (errors: ``dispatch_errors``).
 
 A ``WorkerClient`` owns one DEALER socket. An event-loop reader on the socket's FD drains every
 reply and routes it by ``request_id`` to that request's queue, so many streams share the socket.
@@ -56,6 +56,14 @@ from engine.protocol import (
     decode_worker,
     encode,
 )
+from gateway.dispatch_errors import (
+    DispatchError,
+    DispatchTimeout,
+    HandshakeError,
+    StreamOverflow,
+    WorkerDead,
+    WorkerError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,44 +74,6 @@ HELLO_RETRY_MAX_S = 5.0
 CLOSE_LINGER_MS = 1000
 _MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 _client_ids = itertools.count()
-
-
-class DispatchError(Exception):
-    """Base of every error a dispatch call raises."""
-
-
-class HandshakeError(DispatchError):
-    """``connect()`` got no ``Welcome`` in time, or the worker speaks another protocol version."""
-
-
-class DispatchTimeout(DispatchError):
-    """A request waited too long for its first token or its next one; it was aborted."""
-
-
-class StreamOverflow(DispatchError):
-    """The consumer fell more than ``max_pending_deltas`` behind; the request was aborted."""
-
-
-class NoWorkerAvailable(DispatchError):
-    """No live worker is left to take a request."""
-
-
-class WorkerError(DispatchError):
-    """The worker ended the request with ``ErrorReply(code, message)``."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class WorkerDead(DispatchError):
-    """The worker stopped answering, lost its connection or restarted. ``started``: the request
-    had streamed at least one delta."""
-
-    def __init__(self, worker: str, started: bool) -> None:
-        super().__init__(f"worker {worker} is not answering (started={started})")
-        self.started = started
 
 
 class _Stream:
