@@ -89,6 +89,9 @@ class GatewayServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+WS_FRAME_SLACK_BYTES = 64 * 1024
+
+
 def make_server(app: Any, *, host: str, limits: HttpLimits, **callbacks: Callable[[], None]
                 ) -> GatewayServer:
     """A ``GatewayServer`` for ``app`` (serve it with ``server.run(sockets=[bound_socket])``)."""
@@ -100,6 +103,9 @@ def make_server(app: Any, *, host: str, limits: HttpLimits, **callbacks: Callabl
         # NOTE: uvicorn counts the connection asking too, so N + 1 lets N be served
         limit_concurrency=limits.max_connections + 1,
         timeout_graceful_shutdown=limits.drain_timeout_s + END_GRACE_S,
+        # NOTE: a little above the app's own bound, so that the session WebSocket handler (not
+        # uvicorn's bare close 1009) answers an oversize frame with a frame_too_large error
+        ws_max_size=app.state.cfg.max_body_bytes + WS_FRAME_SLACK_BYTES,
     )
     return GatewayServer(config, limits, **callbacks)
 

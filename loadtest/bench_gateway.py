@@ -63,7 +63,8 @@ def main() -> None:
     port = _free_port()
     gateway = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir), "--worker",
-         worker.listen, "--port", str(port)], stderr=subprocess.DEVNULL)
+         worker.listen, "--port", str(port), "--served-model-name", "bench"],
+        stderr=subprocess.DEVNULL)
     try:
         asyncio.run(_bench(args, tokenizer, worker, gateway.pid, port))
     finally:

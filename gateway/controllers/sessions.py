@@ -47,6 +47,7 @@ from litestar.params import FromPath
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
+from gateway.disconnect import until_disconnect
 from gateway.dispatch import Dispatcher, DispatchError
 from gateway.errors import dispatch_error
 from gateway.lifespan import ModelState, SessionsState
@@ -171,7 +172,9 @@ class SessionsController(Controller):
         await _start(turn)
         if req.stream:
             return ServerSentEvent(_turn_sse(turn))
-        return Response(await _run_to_end(turn))
+        # NOTE: a non-streamed turn is awaited to its end: only a watch on receive() sees the
+        # client leave (then the turn is cancelled, recorded as such, and its lease released)
+        return Response(await until_disconnect(request, _run_to_end(turn)))
 
 
 @websocket("/v1/sessions/{session_id:str}/ws")

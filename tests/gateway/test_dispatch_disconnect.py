@@ -56,15 +56,46 @@ def test_clients_that_leave_leave_nothing_running(
         assert resp.status_code == 200, resp.text
 
 
+def test_a_session_turn_whose_client_leaves_stops_and_frees_the_session(
+    paced: WorkerProcess, tokenizer_dir: Path
+) -> None:
+    """A non-streamed REST turn is awaited to its end by litestar: without the disconnect watch
+    it ran on (and held the session's lease) after its client left."""
+    cfg = GatewayConfig(model_dir=tokenizer_dir, workers=(paced.listen,), model_name="demo",
+                        heartbeat_s=0.2, dead_after_s=10.0)
+    with serve_app(cfg) as served:
+        client = served.app.state.dispatcher.clients[0]
+        session_id = served.http.post("/v1/sessions", json={}).json()["id"]
+        turn = {"messages": [{"role": "user", "content": "Count to a thousand."}],
+                "max_tokens": LONG_TOKENS}
+        sock = _send_raw(served, f"/v1/sessions/{session_id}/turns", turn)
+        try:
+            _wait(lambda: _running(client) == 1, lambda: "the turn never ran", 30.0)
+        finally:
+            close_abruptly(sock)
+        _wait(lambda: client.num_in_flight == 0 and _running(client) == 0,
+              lambda: f"{STOP_S} s after the client left: {client.num_in_flight} in flight, "
+              f"{_running(client)} running on the worker", STOP_S)
+        short = {**turn, "max_tokens": 3}
+        resp = served.http.post(f"/v1/sessions/{session_id}/turns", json=short)
+        assert resp.status_code == 200, resp.text
+        turns = served.http.get(f"/v1/sessions/{session_id}").json()["turns"]
+        assert [t["finish_reason"] for t in turns][0] == "cancelled", turns
+
+
 def _running(client: object) -> int | None:
     load = client.last_load  # type: ignore[attr-defined]
     return None if load is None else load.num_running
 
 
 def _send_chat(served: Served, stream: bool) -> socket.socket:
+    return _send_raw(served, "/v1/chat/completions", _body(stream, LONG_TOKENS))
+
+
+def _send_raw(served: Served, path: str, payload: dict[str, object]) -> socket.socket:
     host, port = served.base_url.removeprefix("http://").split(":")
-    body = json.dumps(_body(stream, LONG_TOKENS)).encode()
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+    body = json.dumps(payload).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     sock = socket.create_connection((host, int(port)), timeout=10.0)
     sock.sendall(head + body)
