@@ -14,6 +14,7 @@ to nobody).
 """
 
 import asyncio
+import inspect
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -41,7 +42,12 @@ async def until_disconnect(request: Request[Any, Any, Any], work: Awaitable[_T])
     Raises:
         ClientDisconnected: the client went away; ``work`` was cancelled and has unwound.
     """
-    await request.body()
+    try:
+        await request.body()
+    except BaseException:
+        if inspect.iscoroutine(work):
+            work.close()  # NOTE: never started; closing it spares a "never awaited" warning
+        raise
     task = asyncio.current_task()
     assert task is not None, "until_disconnect() outside a task"
     gone = asyncio.Event()

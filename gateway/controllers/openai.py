@@ -85,7 +85,7 @@ class ModelsController(Controller):
     @get("/{model_id:path}", sync_to_thread=False)
     def retrieve(self, request: Request[Any, Any, Any], model_id: FromPath[str]) -> Model:
         name = model_id.removeprefix("/")
-        _check_model(request, name)
+        check_model(request, name)
         return Model(id=name)
 
 
@@ -195,7 +195,7 @@ def served_names(request: Request[Any, Any, Any]) -> tuple[str, ...]:
     return cfg.served_model_names or (cfg.model_name or cfg.model_dir.name,)
 
 
-def _check_model(request: Request[Any, Any, Any], name: str) -> None:
+def check_model(request: Request[Any, Any, Any], name: str) -> None:
     if name not in served_names(request):
         raise RequestError(
             f"The model '{name}' does not exist; this gateway serves "
@@ -209,7 +209,7 @@ def _check_request(
     req: ChatCompletionRequest | CompletionRequest,
     model: ModelState,
 ) -> None:
-    _check_model(request, req.model)
+    check_model(request, req.model)
     check_logit_bias(req.logit_bias, model.vocab_size or model.tokenizer.vocab_size)
 
 

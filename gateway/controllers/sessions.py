@@ -47,6 +47,7 @@ from litestar.params import FromPath
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
+from gateway.controllers.openai import check_model
 from gateway.disconnect import until_disconnect
 from gateway.dispatch import Dispatcher, DispatchError
 from gateway.errors import dispatch_error
@@ -120,6 +121,8 @@ class SessionsController(Controller):
         sessions: NamedDependency[SessionsState],
     ) -> SessionObject:
         req = decode_session_create(await request.body())
+        if req.model is not None:
+            check_model(request, req.model)
         messages = [message_dict(m) for m in req.messages]
         await check_new_session(sessions, model, req.system, req.tools, messages)
         session = await sessions.manager.create(

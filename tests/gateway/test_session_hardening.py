@@ -88,6 +88,11 @@ def test_a_bad_tool_schema_is_refused_at_creation(client: TestClient[Litestar]) 
     assert _create(client, key, tools=[good]).status_code == 200
 
 
+def test_a_session_for_another_model_is_404(client: TestClient[Litestar]) -> None:
+    _assert_error(_create(client, model="gpt-4o"), 404, "model", "model_not_found")
+    assert _create(client, model="demo").status_code == 200
+
+
 def test_a_history_that_cannot_fit_is_refused_before_storing(client: TestClient[Litestar]) -> None:
     key = {"Authorization": "Bearer key-huge"}
     _assert_error(_create(client, key, messages=_user(HUGE)), 400, "messages",
