@@ -1,9 +1,11 @@
 """Helpers of the ``test_dispatch_*`` tests: a sim worker on a port of the test's choosing (so it
-can be killed and started again on the same address) and the real app on a real HTTP server in a
-thread (``TestClient`` buffers a streamed body whole and never disconnects mid-request)."""
+can be killed and started again on the same address), requests that run for a given number of
+tokens, and the real app on a real HTTP server in a thread (``TestClient`` buffers a streamed body
+whole and never disconnects mid-request)."""
 
 import asyncio
 import contextlib
+import itertools
 import socket
 import threading
 import time
@@ -15,6 +17,7 @@ import pytest
 import uvicorn
 from litestar import Litestar
 
+from engine.protocol import Generate, SamplingSpec
 from gateway.app import GatewayConfig, create_app
 from gateway.serve import ServeError, WorkerProcess, spawn_worker
 from tests.gateway.live import WORKER_START_TIMEOUT_S, free_port
@@ -38,6 +41,20 @@ def start_worker_on(endpoint: str, worker_id: str, cost: str = "zero") -> Worker
                             timeout_s=WORKER_START_TIMEOUT_S)
     except ServeError as e:
         pytest.fail(str(e))
+
+
+_request_ids = itertools.count(1)
+
+
+def sim_request(max_new_tokens: int, session_id: str | None = None) -> Generate:
+    """A request of 20 prompt tokens that no other one in this process uses, which runs for
+    exactly ``max_new_tokens`` (``ignore_eos``)."""
+    k = next(_request_ids)
+    return Generate(
+        request_id=f"r{k}", input_ids=[(k * 7919 + i * 31) % 300 for i in range(20)],
+        sampling=SamplingSpec(max_new_tokens=max_new_tokens, ignore_eos=True),
+        session_id=session_id,
+    )
 
 
 def free_endpoint() -> str:

@@ -53,6 +53,19 @@ def start_sim_worker(worker_id: str, cost: str = "zero") -> WorkerProcess:
         pytest.fail(str(e))
 
 
+@contextlib.contextmanager
+def sim_workers(*specs: tuple[str, str]) -> Iterator[tuple[WorkerProcess, ...]]:
+    """``start_sim_worker(worker_id, cost)`` for each spec, in order; all are stopped (the last
+    first) when the block ends, or when a later one does not start."""
+    with contextlib.ExitStack() as stack:
+        workers = []
+        for worker_id, cost in specs:
+            worker = start_sim_worker(worker_id, cost)
+            stack.callback(worker.stop)
+            workers.append(worker)
+        yield tuple(workers)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

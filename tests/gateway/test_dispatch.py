@@ -26,24 +26,17 @@ from gateway.dispatch import (
     WorkerError,
 )
 from gateway.serve import WorkerProcess
-from tests.gateway.live import start_sim_worker
+from tests.gateway.dispatch_live import sim_request
+from tests.gateway.live import sim_workers
 
 LONG_TOKENS = 8000  # NOTE: the demo max_context is 8192; ~45 s on a paced worker
 _TEST_TIMEOUT_S = 20.0
-_ids = iter(range(1, 10**6))
 
 
 @pytest.fixture(scope="module")
-def workers() -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
-    a = start_sim_worker("paced", "cpu")
-    try:
-        b = start_sim_worker("fast", "zero")
-        try:
-            yield a, b
-        finally:
-            b.stop()
-    finally:
-        a.stop()
+def workers() -> Iterator[tuple[WorkerProcess, ...]]:
+    with sim_workers(("paced", "cpu"), ("fast", "zero")) as pair:
+        yield pair
 
 
 # ---------------------------------------------------------------------- WorkerClient
@@ -68,7 +61,7 @@ def test_concurrent_streams_each_end_with_one_finished(
 ) -> None:
     async def one(client: WorkerClient, n: int) -> tuple[int, list[Finished]]:
         tokens, finals = 0, []
-        async with contextlib.aclosing(client.generate(_make_request(n))) as stream:
+        async with contextlib.aclosing(client.generate(sim_request(n))) as stream:
             async for item in stream:
                 if isinstance(item, TokenDelta):
                     assert not finals, f"a delta after Finished: {item}"
@@ -97,7 +90,7 @@ def test_aclose_mid_stream_aborts_the_request(workers: tuple[WorkerProcess, Work
     async def main() -> None:
         client = await _make_client(workers[0])
         try:
-            stream = client.generate(_make_request(LONG_TOKENS))
+            stream = client.generate(sim_request(LONG_TOKENS))
             assert isinstance(await anext(stream), TokenDelta)
             assert (await client.load()).num_running == 1, "the request ended by itself"
             await stream.aclose()
@@ -119,7 +112,7 @@ def test_close_aborts_what_is_in_flight(workers: tuple[WorkerProcess, WorkerProc
     async def main() -> None:
         client, watcher = await _make_client(workers[0]), await _make_client(workers[0])
         try:
-            stream = client.generate(_make_request(LONG_TOKENS))
+            stream = client.generate(sim_request(LONG_TOKENS))
             assert isinstance(await anext(stream), TokenDelta)
             assert (await watcher.load()).num_running == 1, "the request ended by itself"
             client.close()
@@ -135,7 +128,7 @@ def test_first_token_timeout_raises_and_aborts(workers: Workers) -> None:
     async def main() -> None:
         client = await _make_client(workers[0])
         try:
-            stream = client.generate(_make_request(LONG_TOKENS), first_token_timeout_s=1e-6)
+            stream = client.generate(sim_request(LONG_TOKENS), first_token_timeout_s=1e-6)
             with pytest.raises(DispatchTimeout):
                 await anext(stream)
             assert client.num_in_flight == 0 and client.is_alive
@@ -190,7 +183,7 @@ def test_killed_worker_fails_a_started_stream(victim: WorkerProcess) -> None:
     async def main() -> None:
         client = await _make_client(victim, dead_after_s=dead_after_s)
         try:
-            stream = client.generate(_make_request(LONG_TOKENS))
+            stream = client.generate(sim_request(LONG_TOKENS))
             assert isinstance(await anext(stream), TokenDelta)
             victim.stop(signal.SIGKILL)
             killed_at = time.monotonic()
@@ -221,7 +214,7 @@ def test_dispatcher_retries_a_request_whose_worker_died_before_streaming(
             assert dispatcher.pick("s") is doomed  # NOTE: both idle, the first one wins
             victim.stop(signal.SIGKILL)
             finals = [
-                item async for item in dispatcher.generate(_make_request(6, session_id="s"))
+                item async for item in dispatcher.generate(sim_request(6, session_id="s"))
                 if isinstance(item, Finished)
             ]
             assert len(finals) == 1, finals
@@ -241,14 +234,14 @@ def test_dispatcher_keeps_a_session_on_its_worker(
         a, b = await _make_client(workers[0]), await _make_client(workers[1])
         dispatcher = Dispatcher([a, b])
         try:
-            busy = a.generate(_make_request(LONG_TOKENS))
+            busy = a.generate(sim_request(LONG_TOKENS))
             assert isinstance(await anext(busy), TokenDelta)  # a now has one in flight
             assert dispatcher.pick("s1") is b and dispatcher.pick() is b
             await busy.aclose()
             assert a.num_in_flight == 0
-            first = [i async for i in dispatcher.generate(_make_request(3, session_id="s1"))]
+            first = [i async for i in dispatcher.generate(sim_request(3, session_id="s1"))]
             assert isinstance(first[-1], Finished), first
-            holder = b.generate(_make_request(LONG_TOKENS))  # b now busier than a
+            holder = b.generate(sim_request(LONG_TOKENS))  # b now busier than a
             assert isinstance(await anext(holder), TokenDelta)
             assert dispatcher.pick("s1") is b, "the session left its live worker"
             assert dispatcher.pick("s2") is a and dispatcher.pick() is a
@@ -278,15 +271,6 @@ async def _make_client(worker: WorkerProcess, dead_after_s: float = 3.0) -> Work
     )
     await client.connect()
     return client
-
-
-def _make_request(max_new_tokens: int, session_id: str | None = None) -> Generate:
-    k = next(_ids)
-    return Generate(
-        request_id=f"r{k}", input_ids=[(k * 7919 + i * 31) % 300 for i in range(20)],
-        sampling=SamplingSpec(max_new_tokens=max_new_tokens, ignore_eos=True),
-        session_id=session_id,
-    )
 
 
 def _assert_finished(last: object, reason: str, completion_tokens: int) -> None:

@@ -27,11 +27,17 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.protocol import Finished, Generate, SamplingSpec, TokenDelta
+from engine.protocol import Finished, TokenDelta
 from gateway.app import GatewayConfig
 from gateway.dispatch import WorkerClient, WorkerDead
 from gateway.serve import WorkerProcess
-from tests.gateway.dispatch_live import SwapProxy, free_endpoint, serve_app, start_worker_on
+from tests.gateway.dispatch_live import (
+    SwapProxy,
+    free_endpoint,
+    serve_app,
+    sim_request,
+    start_worker_on,
+)
 from tests.gateway.live import TEST_TENANT_SECRET, free_port
 
 URL = "/v1/chat/completions"
@@ -70,7 +76,7 @@ def test_restart_fails_a_started_stream_at_once(
         try:
             assert client.welcome is not None
             first_instance = client.welcome.instance_id
-            stream = client.generate(_request(LONG_TOKENS))
+            stream = client.generate(sim_request(LONG_TOKENS))
             assert isinstance(await anext(stream), TokenDelta)
             workers[-1].stop(signal.SIGKILL)
             killed_at = time.monotonic()
@@ -87,7 +93,7 @@ def test_restart_fails_a_started_stream_at_once(
             assert client.welcome.instance_id != first_instance, client.welcome
             assert client.num_new_instances == 1 and client.num_reconnects == 1, (
                 client.num_new_instances, client.num_reconnects)
-            finals = [i async for i in client.generate(_request(5)) if isinstance(i, Finished)]
+            finals = [i async for i in client.generate(sim_request(5)) if isinstance(i, Finished)]
             assert [f.completion_tokens for f in finals] == [5], finals
         finally:
             client.close()
@@ -111,7 +117,7 @@ def test_a_new_instance_behind_an_unbroken_connection_fails_the_old_requests(
         try:
             await client.connect()
             first_instance, epoch = client.instance_id, client.epoch
-            stream = client.generate(_request(LONG_TOKENS))
+            stream = client.generate(sim_request(LONG_TOKENS))
             assert isinstance(await anext(stream), TokenDelta)
             await _kill_and_restart(workers, endpoint, "cpu")
             await proxy.swap()
@@ -126,7 +132,7 @@ def test_a_new_instance_behind_an_unbroken_connection_fails_the_old_requests(
             assert client.instance_id != first_instance and client.epoch == epoch + 1, (
                 client.instance_id, client.epoch)
             assert client.num_new_instances == 1, client.num_new_instances
-            finals = [i async for i in client.generate(_request(5)) if isinstance(i, Finished)]
+            finals = [i async for i in client.generate(sim_request(5)) if isinstance(i, Finished)]
             assert [f.completion_tokens for f in finals] == [5], finals
         finally:
             client.close()
@@ -323,17 +329,6 @@ def _worker_samples(http: httpx.Client, endpoint: str) -> dict[str, float]:
             }:
                 out[sample.name.removeprefix("agentgate_")] = sample.value
     return out
-
-
-_ids = iter(range(1, 10**6))
-
-
-def _request(max_new_tokens: int) -> Generate:
-    k = next(_ids)
-    return Generate(
-        request_id=f"re{k}", input_ids=[(k * 7919 + i * 31) % 300 for i in range(20)],
-        sampling=SamplingSpec(max_new_tokens=max_new_tokens, ignore_eos=True),
-    )
 
 
 def _chat(**overrides: Any) -> dict[str, Any]:

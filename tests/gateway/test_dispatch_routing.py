@@ -25,8 +25,8 @@ from engine.sampling_params import StructuredSpec
 from gateway.app import GatewayConfig
 from gateway.dispatch import Dispatcher, WorkerClient, WorkerError, WorkersBusy
 from gateway.serve import WorkerProcess
-from tests.gateway.dispatch_live import Served, serve_app
-from tests.gateway.live import start_sim_worker
+from tests.gateway.dispatch_live import Served, serve_app, sim_request
+from tests.gateway.live import sim_workers
 
 LONG_TOKENS = 8000  # NOTE: ~45 s on a paced worker: in flight for the whole test
 NUM_SESSIONS = 20
@@ -35,36 +35,21 @@ _ids = iter(range(1, 10**6))
 
 
 @pytest.fixture(scope="module")
-def paced() -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
-    a = start_sim_worker("paced-a", "cpu")
-    try:
-        b = start_sim_worker("paced-b", "cpu")
-        try:
-            yield a, b
-        finally:
-            b.stop()
-    finally:
-        a.stop()
+def paced() -> Iterator[tuple[WorkerProcess, ...]]:
+    with sim_workers(("paced-a", "cpu"), ("paced-b", "cpu")) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")
-def tiny() -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
+def tiny() -> Iterator[tuple[WorkerProcess, ...]]:
     """Two paced workers that hold one running and one waiting request each: a third is
     refused as ``overloaded``."""
-    with pytest.MonkeyPatch.context() as mp:  # NOTE: the workers' environment only
+    with pytest.MonkeyPatch.context() as mp:
         mp.setenv("AGENTGATE_MAX_RUNNING_REQUESTS", "1")
         mp.setenv("AGENTGATE_MAX_WAITING_REQUESTS", "1")
-        a = start_sim_worker("tiny-a", "cpu")
-        try:
-            b = start_sim_worker("tiny-b", "cpu")
-        except BaseException:
-            a.stop()
-            raise
-    try:
-        yield a, b
-    finally:
-        a.stop()
-        b.stop()
+        with sim_workers(("tiny-a", "cpu"), ("tiny-b", "cpu")) as pair:
+            mp.undo()  # NOTE: the workers' environment only
+            yield pair
 
 
 def test_sessions_started_one_at_a_time_spread_over_the_workers(
@@ -72,10 +57,10 @@ def test_sessions_started_one_at_a_time_spread_over_the_workers(
 ) -> None:
     async def main(dispatcher: Dispatcher) -> None:
         for i in range(NUM_SESSIONS):  # NOTE: one at a time: no load anywhere at each pick
-            finals = [x async for x in dispatcher.generate(_request(2, f"s{i}"))
+            finals = [x async for x in dispatcher.generate(sim_request(2, f"s{i}"))
                       if isinstance(x, Finished)]
             assert len(finals) == 1, finals
-        streams = [dispatcher.generate(_request(LONG_TOKENS, f"s{i}"))
+        streams = [dispatcher.generate(sim_request(LONG_TOKENS, f"s{i}"))
                    for i in range(NUM_SESSIONS)]
         try:
             firsts = await asyncio.gather(*(anext(s) for s in streams))
@@ -150,7 +135,8 @@ def test_an_overloaded_workers_request_moves_to_another(
         async with _filled(tiny[0]):
             # NOTE: the filler is another client: to this dispatcher both workers tie, the
             # first one is tried first and refuses
-            finals = [x async for x in dispatcher.generate(_request(3)) if isinstance(x, Finished)]
+            finals = [x async for x in dispatcher.generate(sim_request(3))
+                      if isinstance(x, Finished)]
             assert [f.completion_tokens for f in finals] == [3], finals
             assert dispatcher.num_retries["overloaded"] == 1, dispatcher.num_retries
 
@@ -163,7 +149,7 @@ def test_every_worker_overloaded_is_workers_busy(
     async def main(dispatcher: Dispatcher) -> None:
         async with _filled(tiny[0]), _filled(tiny[1]):
             with pytest.raises(WorkersBusy):
-                async for _ in dispatcher.generate(_request(3)):
+                async for _ in dispatcher.generate(sim_request(3)):
                     pytest.fail("an overloaded worker streamed")
             assert dispatcher.num_retries["overloaded"] == 1, dispatcher.num_retries
 
@@ -197,7 +183,7 @@ async def _filled(worker: WorkerProcess) -> AsyncIterator[None]:
     client = WorkerClient(worker.listen, first_token_timeout_s=TEST_TIMEOUT_S,
                           idle_timeout_s=TEST_TIMEOUT_S)
     await client.connect()
-    streams = [client.generate(_request(LONG_TOKENS)) for _ in range(2)]
+    streams = [client.generate(sim_request(LONG_TOKENS)) for _ in range(2)]
     pending: asyncio.Future[Any] | None = None
     try:
         assert isinstance(await anext(streams[0]), TokenDelta)
@@ -243,12 +229,3 @@ def _turn(served: Served, session_id: str, max_tokens: int) -> httpx.Response:
 
 def _run(coro: Coroutine[Any, Any, None]) -> None:
     asyncio.run(asyncio.wait_for(coro, TEST_TIMEOUT_S))
-
-
-def _request(max_new_tokens: int, session_id: str | None = None) -> Generate:
-    k = next(_ids)
-    return Generate(
-        request_id=f"rt{k}", input_ids=[(k * 7919 + i * 31) % 300 for i in range(20)],
-        sampling=SamplingSpec(max_new_tokens=max_new_tokens, ignore_eos=True),
-        session_id=session_id,
-    )
