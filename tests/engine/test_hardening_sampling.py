@@ -19,14 +19,14 @@ from hypothesis import strategies as st
 
 from engine.sampler import Sampler, apply_logit_bias, apply_repetition_penalty, make_generator
 from engine.sampling_params import SamplingParams
-from gateway.serve import WorkerProcess, spawn_worker
+from gateway.serve import WorkerProcess
 from tests.engine.worker_harness import (
-    START_TIMEOUT_S,
     VOCAB,
     Client,
     assert_finished,
     make_prompt,
     running,
+    start_native_worker,
     tokens,
 )
 
@@ -133,9 +133,7 @@ def test_sampler_penalizes_repeats_greedy() -> None:
 @pytest.fixture(scope="module")
 def native_worker(make_checkpoint: Callable[..., Path]) -> Iterator[WorkerProcess]:
     model_dir = make_checkpoint(layers="FSSF", sliding_window=4)
-    worker = spawn_worker(model_dir=model_dir, backend="native", timeout_s=START_TIMEOUT_S,
-                          extra_args=["--device", "cpu", "--kv-budget-mb", "8"])
-    with running(worker):
+    with running(start_native_worker(model_dir)) as worker:
         yield worker
 
 

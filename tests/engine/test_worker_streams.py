@@ -23,16 +23,17 @@ from engine.protocol import (
     WorkerMsg,
     decode_worker,
 )
-from gateway.serve import WorkerProcess, spawn_worker
+from gateway.serve import WorkerProcess
 from tests.engine.worker_harness import (
+    NATIVE_KV_BUDGET_MB,
     PAGE,
     REPLY_TIMEOUT_S,
-    START_TIMEOUT_S,
     VOCAB,
     Client,
     assert_finished,
     make_prompt,
     running,
+    start_native_worker,
     tokens,
 )
 
@@ -109,11 +110,10 @@ def test_native_worker_streams_the_same_tokens_as_llm_generate(
 
     model_dir = make_checkpoint(layers="FSSF", sliding_window=4)
     prompt = [(5 * i + 3) % 300 for i in range(40)]
-    [expected] = LLM(model_dir, device="cpu", kv_budget_bytes=8 * 2**20).generate(
+    kv_budget_bytes = NATIVE_KV_BUDGET_MB * 2**20
+    [expected] = LLM(model_dir, device="cpu", kv_budget_bytes=kv_budget_bytes).generate(
         [prompt], SamplingParams(max_new_tokens=12, temperature=0.0))
-    worker = spawn_worker(model_dir=model_dir, backend="native", timeout_s=START_TIMEOUT_S,
-                          extra_args=["--device", "cpu", "--kv-budget-mb", "8"])
-    with running(worker):
+    with running(start_native_worker(model_dir)) as worker:
         client = connect(worker.listen)
         for rid in ("cold", "warm"):  # the second one resumes from the prefix cache
             client.generate(rid, prompt, max_new_tokens=12, temperature=0.0)

@@ -35,7 +35,7 @@ from engine.protocol import (
     encode,
 )
 from engine.worker import Worker, WorkerConfig
-from gateway.serve import START_LINE, WorkerProcess
+from gateway.serve import START_LINE, WorkerProcess, spawn_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 ANY_PORT = "tcp://127.0.0.1:0"
@@ -140,6 +140,16 @@ def start_cli_worker(*flags: str) -> WorkerProcess:
     proc.kill()
     proc.wait(timeout=10)
     pytest.fail(f"worker did not start (rc={proc.returncode}):\n{''.join(lines)}")
+
+
+NATIVE_KV_BUDGET_MB = 8
+
+
+def start_native_worker(model_dir: Path) -> WorkerProcess:
+    """A native worker on ``model_dir`` on the CPU with a ``NATIVE_KV_BUDGET_MB`` KV cache, on
+    free ports; the caller stops it (``with running(...)``)."""
+    return spawn_worker(model_dir=model_dir, backend="native", timeout_s=START_TIMEOUT_S,
+                        extra_args=["--device", "cpu", "--kv-budget-mb", str(NATIVE_KV_BUDGET_MB)])
 
 
 @contextmanager
