@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import init_demo_model
+from gateway.lifespan import ModelState, load_model
 from gateway.serve import WorkerProcess
 from gateway.tokenizer import write_demo_tokenizer
 from tests.gateway.live import LiveGateway, live_gateway, start_sim_worker
@@ -34,6 +35,12 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = {"max_position_embeddings": CONTEXT, "vocab_size": DEMO_VOCAB_SIZE}
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+@pytest.fixture(scope="session")
+def demo_model(tokenizer_dir: Path) -> ModelState:
+    """``tokenizer_dir`` loaded as the gateway loads a model (tokenizer, chat template)."""
+    return load_model(tokenizer_dir, "demo")
 
 
 @pytest.fixture(scope="session")

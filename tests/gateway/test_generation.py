@@ -5,9 +5,7 @@ deltas, logprobs line up with tokens, and leaving a stream early closes (aborts)
 import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,18 +19,9 @@ from gateway.generation import (
     chat_deltas,
     chat_result,
 )
-from gateway.lifespan import ModelState, load_model
-from gateway.tokenizer import write_demo_tokenizer
+from gateway.lifespan import ModelState
 
 TEXT = 'héllo 世界 wor<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> ModelState:
-    out: Path = tmp_path_factory.mktemp("demo-tokenizer")
-    write_demo_tokenizer(out)
-    (out / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
-    return load_model(out, "demo")
 
 
 def _started(ids: list[int], splits: Sequence[int], logprobs: bool = False) -> Started:
@@ -59,11 +48,13 @@ async def _stream(started: Started, model: ModelState, opts: OutputOptions) -> l
 
 @settings(max_examples=40, deadline=None)
 @given(splits=st.lists(st.integers(0, 120), max_size=12), stop=st.sampled_from([(), ("wor",)]))
-def test_stream_concatenates_to_whole(model: ModelState, splits: list[int], stop: tuple) -> None:
-    ids = model.tokenizer.encode(TEXT)
+def test_stream_concatenates_to_whole(
+    demo_model: ModelState, splits: list[int], stop: tuple
+) -> None:
+    ids = demo_model.tokenizer.encode(TEXT)
     opts = OutputOptions(stop, parse_tools=True, logprobs=True)
-    whole = asyncio.run(chat_result(_started(ids, splits, True), model, opts))
-    events = asyncio.run(_stream(_started(ids, splits, True), model, opts))
+    whole = asyncio.run(chat_result(_started(ids, splits, True), demo_model, opts))
+    events = asyncio.run(_stream(_started(ids, splits, True), demo_model, opts))
     deltas = [e.delta for e in events if isinstance(e, ChatDelta)]
     content = "".join(d.content or "" for d in deltas)
     calls = [c for d in deltas for c in d.tool_calls or []]
@@ -83,17 +74,17 @@ def test_stream_concatenates_to_whole(model: ModelState, splits: list[int], stop
     assert whole.finish_reason == "tool_calls"
 
 
-def test_logprob_bytes_join_a_split_character(model: ModelState) -> None:
-    ids = model.tokenizer.encode("世")
+def test_logprob_bytes_join_a_split_character(demo_model: ModelState) -> None:
+    ids = demo_model.tokenizer.encode("世")
     assert len(ids) > 1  # byte-level: one token per byte here
     whole = asyncio.run(chat_result(
-        _started(ids, [], True), model, OutputOptions(logprobs=True)
+        _started(ids, [], True), demo_model, OutputOptions(logprobs=True)
     ))
     raw = b"".join(bytes(lp.bytes or []) for lp in whole.logprobs or [])
     assert raw.decode() == "世"
 
 
-def test_leaving_the_stream_early_closes_the_worker_stream(model: ModelState) -> None:
+def test_leaving_the_stream_early_closes_the_worker_stream(demo_model: ModelState) -> None:
     closed: list[bool] = []
 
     async def endless() -> AsyncIterator[StreamItem]:
@@ -106,7 +97,7 @@ def test_leaving_the_stream_early_closes_the_worker_stream(model: ModelState) ->
     async def read_two_and_leave() -> None:
         stream = endless()
         started = Started("r", await anext(stream), stream)
-        events = chat_deltas(started, model, OutputOptions())
+        events = chat_deltas(started, demo_model, OutputOptions())
         await anext(events)
         await anext(events)
         await events.aclose()

@@ -4,10 +4,8 @@ tokens, logprobs and usage of an answer end with the token that completed the st
 the worker stream is closed (the request aborted) before the answer ends."""
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -25,9 +23,8 @@ from gateway.generation import (
     chat_result,
     pieces,
 )
-from gateway.lifespan import ModelState, load_model
+from gateway.lifespan import ModelState
 from gateway.metrics import StreamStats
-from gateway.tokenizer import write_demo_tokenizer
 
 ALPHABET = "ab\n"
 _texts = st.text(alphabet=ALPHABET, max_size=40)
@@ -116,14 +113,6 @@ def test_near_matches_of_a_long_stop_cost_constant_work_per_character() -> None:
 # ------------------------------------------------------------------ the token-level cut
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> ModelState:
-    out: Path = tmp_path_factory.mktemp("demo-tokenizer")
-    write_demo_tokenizer(out)
-    (out / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
-    return load_model(out, "demo")
-
-
 class _Worker:
     """A scripted worker stream that records whether it was closed before its end."""
 
@@ -151,20 +140,21 @@ class _Worker:
 
 @pytest.mark.parametrize("split", [1, 3, 100])
 def test_usage_and_logprobs_end_with_the_token_that_completed_the_stop(
-    model: ModelState, split: int
+    demo_model: ModelState, split: int
 ) -> None:
-    ids = model.tokenizer.encode("hello STOP and then a lot more text that is never billed")
+    text = "hello STOP and then a lot more text that is never billed"
+    ids = demo_model.tokenizer.encode(text)
     worker = _Worker([ids[i : i + split] for i in range(0, len(ids), split)])
     stats = StreamStats()
 
     async def run() -> tuple[list[object], bool]:
-        items = [p async for p in pieces(await worker.started(stats), model, ["STOP"])]
+        items = [p async for p in pieces(await worker.started(stats), demo_model, ["STOP"])]
         return items, worker.closed_early
 
     items, closed_early = asyncio.run(run())
     *texts, finished = items
     assert isinstance(finished, Finished), finished
-    through_stop = len(model.tokenizer.encode("hello STOP"))
+    through_stop = len(demo_model.tokenizer.encode("hello STOP"))
     assert finished.finish_reason == "stop" and finished.completion_tokens == through_stop
     assert (finished.prompt_tokens, finished.cached_tokens) == (7, 2)
     assert sum(len(p.token_ids) for p in texts) == through_stop  # type: ignore[attr-defined]
@@ -174,17 +164,18 @@ def test_usage_and_logprobs_end_with_the_token_that_completed_the_stop(
     assert stats.num_finished == 1 and stats.generated_tokens == through_stop
 
 
-def test_chat_result_bills_only_up_to_the_stop(model: ModelState) -> None:
-    ids = model.tokenizer.encode("one two three four five six seven")
+def test_chat_result_bills_only_up_to_the_stop(demo_model: ModelState) -> None:
+    ids = demo_model.tokenizer.encode("one two three four five six seven")
     worker = _Worker([ids])
 
     async def run() -> object:
         return await chat_result(
-            await worker.started(), model, OutputOptions(["two"], parse_tools=False, logprobs=True)
+            await worker.started(), demo_model,
+            OutputOptions(["two"], parse_tools=False, logprobs=True),
         )
 
     result = asyncio.run(run())
-    n = len(model.tokenizer.encode("one two"))
+    n = len(demo_model.tokenizer.encode("one two"))
     assert result.message.content == "one "  # type: ignore[attr-defined]
     assert result.usage.completion_tokens == n and len(result.logprobs) == n  # type: ignore
     assert result.finish_reason == "stop" and worker.closed_early  # type: ignore[attr-defined]
