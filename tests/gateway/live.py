@@ -9,9 +9,10 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -76,31 +77,44 @@ def free_port() -> int:
 def live_gateway(model_dir: Path, *args: str, backend: str = "sim") -> Iterator[LiveGateway]:
     """``agentgate serve --model model_dir --backend backend ARGS`` until the block ends."""
     port = free_port()
-    cmd: Sequence[str] = [
-        sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir), "--backend",
-        backend, "--host", "127.0.0.1", "--port", str(port), *args,
-    ]
-    # NOTE: a fixed tenant secret, so that tests never create one under the user's ~/.config
-    env = {"AGENTGATE_TENANT_SECRET": TEST_TENANT_SECRET, **os.environ}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
+    proc = spawn_serve(model_dir, port, *args, backend=backend, stdout=subprocess.PIPE, text=True)
     gateway = LiveGateway(f"http://127.0.0.1:{port}", proc)
     try:
-        _wait_ready(gateway)
+        wait_ready(proc, gateway.base_url, gateway.stop)
         yield gateway
     finally:
         gateway.stop()
 
 
-def _wait_ready(gateway: LiveGateway) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
+def spawn_serve(
+    model_dir: Path, port: int, *args: str, backend: str | None = "sim", **popen: Any
+) -> subprocess.Popen[Any]:
+    """``agentgate serve --model model_dir [--backend backend] ARGS`` on 127.0.0.1:``port``,
+    its stderr into its stdout; ``popen`` goes to ``subprocess.Popen`` (where the output goes)."""
+    cmd: Sequence[str] = [
+        sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir),
+        *(("--backend", backend) if backend is not None else ()),
+        "--host", "127.0.0.1", "--port", str(port), *args,
+    ]
+    # NOTE: a fixed tenant secret, so that tests never create one under the user's ~/.config
+    env = {**os.environ, "AGENTGATE_TENANT_SECRET": TEST_TENANT_SECRET}
+    return subprocess.Popen(cmd, stderr=subprocess.STDOUT, env=env, **popen)
+
+
+def wait_ready(
+    proc: subprocess.Popen[Any], base_url: str, output: Callable[[], str],
+    timeout_s: float = READY_TIMEOUT_S,
+) -> None:
+    """Poll ``base_url``/ready until it is 200; fail with ``output()`` if ``proc`` exits or
+    ``timeout_s`` passes first."""
+    deadline = time.monotonic() + timeout_s
     while True:
-        if gateway.proc.poll() is not None:
-            raise AssertionError(f"agentgate serve exited: {gateway.stop()}")
+        if proc.poll() is not None:
+            raise AssertionError(f"agentgate serve exited {proc.returncode}:\n{output()}")
         if time.monotonic() > deadline:
-            raise AssertionError(f"agentgate serve never got ready: {gateway.stop()}")
+            raise AssertionError(f"agentgate serve never got ready:\n{output()}")
         try:
-            with urllib.request.urlopen(f"{gateway.base_url}/ready", timeout=2) as r:
+            with urllib.request.urlopen(f"{base_url}/ready", timeout=2) as r:
                 if r.status == 200:
                     return
         except OSError:

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -16,9 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.gateway.live import TEST_TENANT_SECRET, free_port
-
-READY_TIMEOUT_S = 90.0
+from tests.gateway.live import free_port, spawn_serve, wait_ready
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,16 +60,12 @@ def serve_proc(model_dir: Path, tmp_path: Path, *args: str) -> Iterator[ServePro
     with its workers at the end whatever the test did."""
     port = free_port()
     log_path = tmp_path / f"serve-{port}.log"
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir),
-           "--backend", "sim", "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", "m", *args]
-    env = {**os.environ, "AGENTGATE_TENANT_SECRET": TEST_TENANT_SECRET}
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = spawn_serve(model_dir, port, "--served-model-name", "m", *args, stdout=log)
     serve = ServeProc(proc, port, log_path)
     pids: set[int] = set()
     try:
-        wait_ready(serve)
+        wait_ready(proc, serve.base_url, serve.output)
         pids.update(serve.worker_pids())
         yield serve
     finally:
@@ -84,23 +77,6 @@ def serve_proc(model_dir: Path, tmp_path: Path, *args: str) -> Iterator[ServePro
             with contextlib.suppress(ProcessLookupError):
                 if b"engine.worker" in _cmdline(pid):
                     os.kill(pid, signal.SIGKILL)
-
-
-def wait_ready(serve: ServeProc, timeout_s: float = READY_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if serve.proc.poll() is not None:
-            raise AssertionError(f"agentgate serve exited {serve.proc.returncode}:\n"
-                                 f"{serve.output()}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"agentgate serve never got ready:\n{serve.output()}")
-        try:
-            with urllib.request.urlopen(f"{serve.base_url}/ready", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
 
 
 def post_json(url: str, body: dict[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:

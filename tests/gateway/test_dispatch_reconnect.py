@@ -13,10 +13,7 @@ HTTP server:
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -38,7 +35,7 @@ from tests.gateway.dispatch_live import (
     sim_request,
     start_worker_on,
 )
-from tests.gateway.live import TEST_TENANT_SECRET, free_port
+from tests.gateway.live import free_port, spawn_serve
 
 URL = "/v1/chat/completions"
 LONG_TOKENS = 4000  # NOTE: ~25 s on a paced (--cost cpu) worker: surely running when killed
@@ -220,12 +217,9 @@ def test_serve_attached_to_a_worker_that_is_down_uses_it_once_up(
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", str(tokenizer_dir),
-           "--host", "127.0.0.1", "--port", str(port), "--worker", endpoint,
-           "--served-model-name", "demo"]
-    env = {**os.environ, "AGENTGATE_TENANT_SECRET": TEST_TENANT_SECRET}
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = spawn_serve(tokenizer_dir, port, "--worker", endpoint,
+                           "--served-model-name", "demo", backend=None, stdout=log)
     try:
         with httpx.Client(base_url=base_url, timeout=30.0) as http:
             _wait_sync(lambda: proc.poll() is None and _answers(http, "/health"),
