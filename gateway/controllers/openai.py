@@ -73,6 +73,7 @@ from gateway.tenancy import cache_salt, tenant_of
 _JSON = msgspec.json.Encoder()
 PROMPT_THREADS = 2  # NOTE: large inputs at once; more would only share the same cores
 _T = TypeVar("_T")
+_Req = TypeVar("_Req", ChatCompletionRequest, CompletionRequest)
 
 
 class ModelsController(Controller):
@@ -98,10 +99,7 @@ class CompletionsController(Controller):
         return await until_disconnect(request, self._create(request))
 
     async def _create(self, request: Request[Any, Any, Any]) -> Response[Any]:
-        model = _model(request)
-        body = await request.body()
-        req = await _maybe_off_loop(request, len(body), decode_completion_request, body)
-        _check_request(request, req, model)
+        model, req = await _read(request, decode_completion_request)
         prompt = req.prompt
         if isinstance(prompt, str):
             _check_prompt_chars(len(prompt), model, "prompt")
@@ -123,10 +121,7 @@ class ChatCompletionsController(Controller):
         return await until_disconnect(request, self._create(request))
 
     async def _create(self, request: Request[Any, Any, Any]) -> Response[Any]:
-        model = _model(request)
-        body = await request.body()
-        req = await _maybe_off_loop(request, len(body), decode_chat_request, body)
-        _check_request(request, req, model)
+        model, req = await _read(request, decode_chat_request)
         num_chars = prompt_chars(req.messages)
         _check_prompt_chars(num_chars, model, "messages")
         salt = cache_salt(tenant_of(request))
@@ -162,6 +157,17 @@ class _Head(msgspec.Struct, frozen=True):
     id: str
     model: str
     created: int
+
+
+async def _read(
+    request: Request[Any, Any, Any], decode: Callable[[bytes], _Req]
+) -> tuple[ModelState, _Req]:
+    """The app's model and the request's body, decoded (off the loop when large) and checked."""
+    model = _model(request)
+    body = await request.body()
+    req = await _maybe_off_loop(request, len(body), decode, body)
+    _check_request(request, req, model)
+    return model, req
 
 
 async def _start(
