@@ -8,11 +8,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from litestar import Litestar
+from litestar.testing import TestClient
 
 from gateway.cli import init_demo_model
 from gateway.lifespan import ModelState, load_model
 from gateway.serve import WorkerProcess
 from gateway.tokenizer import write_demo_tokenizer
+from tests.gateway.dispatch_live import app_client
 from tests.gateway.live import LiveGateway, live_gateway, start_sim_worker
 
 CONTEXT = 8192
@@ -41,6 +44,16 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def demo_model(tokenizer_dir: Path) -> ModelState:
     """``tokenizer_dir`` loaded as the gateway loads a model (tokenizer, chat template)."""
     return load_model(tokenizer_dir, "demo")
+
+
+@pytest.fixture(scope="module", params=["memory", "redis"])
+def store_client(
+    request: pytest.FixtureRequest, sim_worker: WorkerProcess, tokenizer_dir: Path
+) -> Iterator[TestClient[Litestar]]:
+    """``app_client`` on the shared sim worker, once on each session store."""
+    redis_url = request.getfixturevalue("redis_url") if request.param == "redis" else None
+    with app_client(sim_worker, tokenizer_dir, redis_url=redis_url) as test_client:
+        yield test_client
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
-"""Helpers of the ``test_dispatch_*`` tests: a sim worker on a port of the test's choosing (so it
-can be killed and started again on the same address), requests that run for a given number of
-tokens, and the real app on a real HTTP server in a thread (``TestClient`` buffers a streamed body
-whole and never disconnects mid-request)."""
+"""Helpers of the tests of the in-process app (``test_dispatch_*``, the Session API): a sim worker
+on a port of the test's choosing (so it can be killed and started again on the same address),
+requests that run for a given number of tokens, a ``TestClient`` on the app, and the real app on
+a real HTTP server in a thread (``TestClient`` buffers a streamed body whole and never disconnects
+mid-request)."""
 
 import asyncio
 import contextlib
@@ -10,12 +11,14 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import httpx
 import pytest
 import uvicorn
 from litestar import Litestar
+from litestar.testing import TestClient
 
 from engine.protocol import Generate, SamplingSpec
 from gateway.app import GatewayConfig, create_app
@@ -59,6 +62,13 @@ def sim_request(max_new_tokens: int, session_id: str | None = None) -> Generate:
 
 def free_endpoint() -> str:
     return f"tcp://127.0.0.1:{free_port()}"
+
+
+def app_client(worker: WorkerProcess, model_dir: Path, **cfg: Any) -> TestClient[Litestar]:
+    """A ``TestClient`` (to enter) on the app serving ``model_dir`` as "demo" from ``worker``,
+    with ``cfg`` as further ``GatewayConfig`` fields; a server error comes back as a 500."""
+    config = GatewayConfig(model_dir=model_dir, workers=(worker.listen,), model_name="demo", **cfg)
+    return TestClient(create_app(config), raise_server_exceptions=False)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ import json
 import logging
 import re
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +19,9 @@ from litestar import Litestar
 from litestar.testing import TestClient
 from litestar.testing.websocket_test_session import WebSocketTestSession
 
-from gateway.app import GatewayConfig, create_app
 from gateway.serve import WorkerProcess
 from gateway.tenancy import tenant_id
+from tests.gateway.dispatch_live import app_client
 from tests.gateway.live import start_sim_worker
 from tests.sessions.redis_server import redis_server
 
@@ -32,18 +31,9 @@ HUGE = "word " * (3 * 1024 * 1024)  # 15 MiB: can never fit an 8k context
 SECRET = b"a-deployment-secret-0123456789"
 
 
-def _client(worker: WorkerProcess, model_dir: Path, **cfg: Any) -> TestClient[Litestar]:
-    config = GatewayConfig(model_dir=model_dir, workers=(worker.listen,), model_name="demo", **cfg)
-    return TestClient(create_app(config), raise_server_exceptions=False)
-
-
-@pytest.fixture(scope="module", params=["memory", "redis"])
-def client(
-    request: pytest.FixtureRequest, sim_worker: WorkerProcess, tokenizer_dir: Path
-) -> Iterator[TestClient[Litestar]]:
-    redis_url = request.getfixturevalue("redis_url") if request.param == "redis" else None
-    with _client(sim_worker, tokenizer_dir, redis_url=redis_url) as test_client:
-        yield test_client
+@pytest.fixture(scope="module")
+def client(store_client: TestClient[Litestar]) -> TestClient[Litestar]:
+    return store_client
 
 
 def _create(client: TestClient[Litestar], headers: dict[str, str] = KEY_A, **body: Any) -> Any:
@@ -113,7 +103,7 @@ def test_a_history_that_cannot_fit_is_refused_before_storing(client: TestClient[
 def test_websocket_answers_carry_the_frame_id(
     sim_worker: WorkerProcess, tokenizer_dir: Path
 ) -> None:
-    with _client(sim_worker, tokenizer_dir, max_body_bytes=64 * 1024) as client:
+    with app_client(sim_worker, tokenizer_dir, max_body_bytes=64 * 1024) as client:
         sid = _create(client).json()["id"]
         with client.websocket_connect(f"/v1/sessions/{sid}/ws", headers=KEY_A) as ws:
             ws.send_text(json.dumps({"type": "cancel", "id": "c-1"}))
@@ -142,7 +132,7 @@ def test_websocket_answers_carry_the_frame_id(
 def test_a_cancelled_turn_without_content_stores_null(tokenizer_dir: Path) -> None:
     worker = start_sim_worker("cancel-null", "h200")  # NOTE: ~20 ms a step: cancel comes first
     try:
-        with _client(worker, tokenizer_dir) as client:
+        with app_client(worker, tokenizer_dir) as client:
             sid = _create(client).json()["id"]
             with client.websocket_connect(f"/v1/sessions/{sid}/ws", headers=KEY_A) as ws:
                 ws.send_text(json.dumps({"type": "turn", "max_tokens": 500,
@@ -163,10 +153,10 @@ def test_a_cancelled_turn_without_content_stores_null(tokenizer_dir: Path) -> No
 def test_ready_includes_the_session_store(
     sim_worker: WorkerProcess, tokenizer_dir: Path, tmp_path: Path
 ) -> None:
-    with _client(sim_worker, tokenizer_dir) as client:
+    with app_client(sim_worker, tokenizer_dir) as client:
         ready = client.get("/ready")
         assert ready.status_code == 200 and ready.json()["sessions"] == "ok", ready.text
-    with redis_server(tmp_path) as server, _client(
+    with redis_server(tmp_path) as server, app_client(
         sim_worker, tokenizer_dir, redis_url=server.url
     ) as client:
         assert client.get("/ready").json()["sessions"] == "ok"
@@ -187,12 +177,12 @@ def test_tenant_ids_are_keyed_by_the_deployment_secret(
     assert tenant_id("k", b"s" * 200) != tenant_id("k", b"s" * 199), "long secrets count whole"
     headers = {"Authorization": "Bearer sk-weak"}
     caplog.set_level(logging.DEBUG)
-    with _client(sim_worker, tokenizer_dir, redis_url=redis_url, tenant_secret=SECRET) as client:
+    with app_client(sim_worker, tokenizer_dir, redis_url=redis_url, tenant_secret=SECRET) as client:
         sid = _create(client, headers).json()["id"]
         turn = client.post(f"/v1/sessions/{sid}/turns", headers=headers,
                            json={"messages": _user("hi"), "max_tokens": 2})
         assert turn.status_code == 200, turn.text
-    with _client(sim_worker, tokenizer_dir, redis_url=redis_url,
+    with app_client(sim_worker, tokenizer_dir, redis_url=redis_url,
                  tenant_secret=b"another secret") as client:
         _assert_error(client.get(f"/v1/sessions/{sid}", headers=headers), 404, "session_id")
     db = redis_sync.Redis.from_url(redis_url)

@@ -5,7 +5,6 @@ store behind the same API."""
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +12,9 @@ import pytest
 from litestar import Litestar
 from litestar.testing import TestClient
 
-from gateway.app import GatewayConfig, create_app
 from gateway.serve import WorkerProcess
 from sessions import StoreUnavailable
+from tests.gateway.dispatch_live import app_client
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
 CALL = {"id": "call_1", "type": "function",
@@ -34,18 +33,9 @@ def model_dir(tokenizer_dir: Path) -> Path:
     return tokenizer_dir
 
 
-def _client(worker: WorkerProcess, model_dir: Path, **cfg: Any) -> TestClient[Litestar]:
-    config = GatewayConfig(model_dir=model_dir, workers=(worker.listen,), model_name="demo", **cfg)
-    return TestClient(create_app(config), raise_server_exceptions=False)
-
-
-@pytest.fixture(scope="module", params=["memory", "redis"])
-def client(
-    request: pytest.FixtureRequest, worker: WorkerProcess, model_dir: Path
-) -> Iterator[TestClient[Litestar]]:
-    redis_url = request.getfixturevalue("redis_url") if request.param == "redis" else None
-    with _client(worker, model_dir, redis_url=redis_url) as test_client:
-        yield test_client
+@pytest.fixture(scope="module")
+def client(store_client: TestClient[Litestar]) -> TestClient[Litestar]:
+    return store_client
 
 
 def _create(client: TestClient[Litestar], headers: dict[str, str] = KEY_A, **body: Any) -> str:
@@ -218,7 +208,7 @@ def test_concurrent_turn_is_409(client: TestClient[Litestar]) -> None:
 
 
 def test_memory_store_is_bounded(worker: WorkerProcess, model_dir: Path) -> None:
-    with _client(worker, model_dir, max_sessions=2) as client:
+    with app_client(worker, model_dir, max_sessions=2) as client:
         ids = [_create(client) for _ in range(3)]
         _assert_error(client.get(f"/v1/sessions/{ids[0]}", headers=KEY_A), 404, "session_id")
         assert client.get(f"/v1/sessions/{ids[2]}", headers=KEY_A).status_code == 200
@@ -226,7 +216,7 @@ def test_memory_store_is_bounded(worker: WorkerProcess, model_dir: Path) -> None
 
 def test_unreachable_redis_stops_startup(worker: WorkerProcess, model_dir: Path) -> None:
     with pytest.raises(BaseException) as info:  # noqa: SIM117 - anyio wraps it in a group
-        with _client(worker, model_dir, redis_url="redis://127.0.0.1:1/0"):
+        with app_client(worker, model_dir, redis_url="redis://127.0.0.1:1/0"):
             pass
     errors = _leaves(info.value)
     assert any(isinstance(e, StoreUnavailable) and "cannot reach Redis" in str(e)
