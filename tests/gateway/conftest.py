@@ -11,6 +11,7 @@ import pytest
 from litestar import Litestar
 from litestar.testing import TestClient
 
+from engine.models.checkpoint import DEMO_CONFIG
 from gateway.cli import init_demo_model
 from gateway.lifespan import ModelState, load_model
 from gateway.serve import WorkerProcess
@@ -37,6 +38,16 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_demo_tokenizer(out)
     config = {"max_position_embeddings": CONTEXT, "vocab_size": DEMO_VOCAB_SIZE}
     (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sim_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo tokenizer and the whole demo config (no weights): what the sim workers and the
+    gateway of an ``agentgate serve --backend sim`` both read."""
+    out = tmp_path_factory.mktemp("sim-model")
+    write_demo_tokenizer(out)
+    (out / "config.json").write_text(json.dumps(DEMO_CONFIG))
     return out
 
 

@@ -4,7 +4,6 @@ a taken port fails before any worker starts, "gateway on" is logged only once th
 log lines share one format."""
 
 import argparse
-import json
 import os
 import re
 import socket
@@ -28,23 +27,13 @@ LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ \[(gateway|
                       r"[\w.]+: ")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.models.checkpoint import DEMO_CONFIG
-    from gateway.tokenizer import write_demo_tokenizer
-
-    out = tmp_path_factory.mktemp("cli-model")
-    write_demo_tokenizer(out)
-    (out / "config.json").write_text(json.dumps(DEMO_CONFIG))
-    return out
-
-
 def _parse(*argv: str) -> argparse.Namespace:
     return _build_parser().parse_args(["serve", *argv])
 
 
-def test_flags_reach_the_gateway_config(model_dir: Path, tmp_path: Path) -> None:
-    args = _parse("--model", str(model_dir), "--first-token-timeout", "5", "--idle-timeout", "2.5",
+def test_flags_reach_the_gateway_config(sim_model_dir: Path, tmp_path: Path) -> None:
+    args = _parse("--model", str(sim_model_dir), "--first-token-timeout", "5",
+                  "--idle-timeout", "2.5",
                   "--served-model-name", "a", "--served-model-name", "b",
                   "--cors-origin", "https://x.example", "--tenant-secret-file",
                   str(tmp_path / "s"), "--header-timeout", "3", "--body-timeout", "4",
@@ -61,8 +50,8 @@ def test_flags_reach_the_gateway_config(model_dir: Path, tmp_path: Path) -> None
     assert kwargs["worker_args"] == []
 
 
-def test_worker_flags_are_forwarded_only_when_set(model_dir: Path, tmp_path: Path) -> None:
-    args = _parse("--model", str(model_dir), "--cost", "h200", "--kv-budget-mb", "64",
+def test_worker_flags_are_forwarded_only_when_set(sim_model_dir: Path, tmp_path: Path) -> None:
+    args = _parse("--model", str(sim_model_dir), "--cost", "h200", "--kv-budget-mb", "64",
                   "--page-size", "32", "--max-batched-tokens", "256", "--no-prefix-cache",
                   "--tenant-secret-file", str(tmp_path / "s"))
     argv = serve_kwargs(args, env={})["worker_args"]
@@ -118,14 +107,14 @@ def test_tenant_secret_is_created_once_private_and_kept(tmp_path: Path) -> None:
         load_tenant_secret(path, "short")
 
 
-def test_taken_port_fails_before_any_worker_starts(model_dir: Path) -> None:
+def test_taken_port_fails_before_any_worker_starts(sim_model_dir: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         start = time.monotonic()
         proc = subprocess.run(
-            [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir),
+            [sys.executable, "-m", "gateway.cli", "serve", "--model", str(sim_model_dir),
              "--backend", "sim", "--port", str(port)],
             capture_output=True, text=True, timeout=120, check=False,
             env={**os.environ, "AGENTGATE_TENANT_SECRET": "test-tenant-secret-0123456789"})
@@ -135,10 +124,10 @@ def test_taken_port_fails_before_any_worker_starts(model_dir: Path) -> None:
     assert time.monotonic() - start < 60
 
 
-def test_gateway_on_is_logged_once_the_port_answers(model_dir: Path, tmp_path: Path) -> None:
+def test_gateway_on_is_logged_once_the_port_answers(sim_model_dir: Path, tmp_path: Path) -> None:
     port = free_port()
     log_path = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir), "--backend",
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--model", str(sim_model_dir), "--backend",
            "sim", "--port", str(port), "--tenant-secret-file", str(tmp_path / "secret")]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -154,10 +143,10 @@ def test_gateway_on_is_logged_once_the_port_answers(model_dir: Path, tmp_path: P
 
 
 def test_sim_fleet_with_worker_flags_starts_and_logs_in_one_format(
-    model_dir: Path, tmp_path: Path
+    sim_model_dir: Path, tmp_path: Path
 ) -> None:
     args = ("--workers", "2", "--cost", "h200", "--kv-budget-mb", "64", "--page-size", "32")
-    with serve_proc(model_dir, tmp_path, *args) as serve:
+    with serve_proc(sim_model_dir, tmp_path, *args) as serve:
         pids = wait_until(lambda: len(serve.worker_pids()) == 2 and serve.worker_pids(), 30,
                           "two workers")
         for pid in pids:

@@ -21,20 +21,9 @@ HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.models.checkpoint import DEMO_CONFIG
-    from gateway.tokenizer import write_demo_tokenizer
-
-    out = tmp_path_factory.mktemp("http-model")
-    write_demo_tokenizer(out)
-    (out / "config.json").write_text(json.dumps(DEMO_CONFIG))
-    return out
-
-
-@pytest.fixture(scope="module")
-def gateway(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProc]:
+def gateway(sim_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProc]:
     args = ("--header-timeout", str(HEADER_TIMEOUT_S), "--body-timeout", str(BODY_TIMEOUT_S))
-    with serve_proc(model_dir, tmp_path_factory.mktemp("http"), *args) as serve:
+    with serve_proc(sim_model_dir, tmp_path_factory.mktemp("http"), *args) as serve:
         yield serve
 
 
@@ -94,8 +83,8 @@ def test_body_in_slow_pieces_and_keep_alive_are_unaffected(gateway: ServeProc) -
         assert _read_response(sock).startswith(b"HTTP/1.1 200")
 
 
-def test_connections_beyond_the_cap_get_503(model_dir: Path, tmp_path: Path) -> None:
-    with serve_proc(model_dir, tmp_path, "--max-connections", "3") as serve:
+def test_connections_beyond_the_cap_get_503(sim_model_dir: Path, tmp_path: Path) -> None:
+    with serve_proc(sim_model_dir, tmp_path, "--max-connections", "3") as serve:
         held = [_connect(serve) for _ in range(3)]
         try:
             time.sleep(0.5)  # NOTE: let the server accept them

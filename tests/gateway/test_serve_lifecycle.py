@@ -20,21 +20,11 @@ from tests.gateway.serve_proc import ServeProc, alive, proc_state, serve_proc, w
 WORKERS_GONE_S = 15.0  # NOTE: generous for a noisy 2-core box; the mechanism takes ~1 s
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tokenizer + the demo config: what the sim workers and the gateway both read."""
-    from engine.models.checkpoint import DEMO_CONFIG
-    from gateway.tokenizer import write_demo_tokenizer
-
-    out = tmp_path_factory.mktemp("serve-model")
-    write_demo_tokenizer(out)
-    (out / "config.json").write_text(json.dumps(DEMO_CONFIG))
-    return out
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_stops_gateway_and_its_workers(model_dir: Path, tmp_path: Path, sig: int) -> None:
-    with serve_proc(model_dir, tmp_path, "--workers", "2") as serve:
+def test_signal_stops_gateway_and_its_workers(
+    sim_model_dir: Path, tmp_path: Path, sig: int
+) -> None:
+    with serve_proc(sim_model_dir, tmp_path, "--workers", "2") as serve:
         pids = wait_until(lambda: len(serve.worker_pids()) == 2 and serve.worker_pids(), 30,
                           "two workers")
         assert serve.chat()["usage"]["completion_tokens"] == 3
@@ -43,8 +33,8 @@ def test_signal_stops_gateway_and_its_workers(model_dir: Path, tmp_path: Path, s
         wait_until(lambda: not alive(pids), WORKERS_GONE_S, f"workers {pids} gone after {sig}")
 
 
-def test_workers_die_with_a_sigkilled_gateway(model_dir: Path, tmp_path: Path) -> None:
-    with serve_proc(model_dir, tmp_path, "--workers", "2") as serve:
+def test_workers_die_with_a_sigkilled_gateway(sim_model_dir: Path, tmp_path: Path) -> None:
+    with serve_proc(sim_model_dir, tmp_path, "--workers", "2") as serve:
         pids = wait_until(lambda: len(serve.worker_pids()) == 2 and serve.worker_pids(), 30,
                           "two workers")
         serve.stop(signal.SIGKILL)
@@ -53,12 +43,12 @@ def test_workers_die_with_a_sigkilled_gateway(model_dir: Path, tmp_path: Path) -
 
 
 def test_sigterm_drains_short_requests_and_ends_long_ones_with_an_error(
-    model_dir: Path, tmp_path: Path
+    sim_model_dir: Path, tmp_path: Path
 ) -> None:
     """``--cost cpu`` paces the sim worker (~6 ms a step): 100 tokens finish within the drain
     timeout, 4000 tokens (~25 s) do not and end with an SSE error event and [DONE]."""
     args = ("--workers", "1", "--cost", "cpu", "--drain-timeout", "4")
-    with serve_proc(model_dir, tmp_path, *args) as serve:
+    with serve_proc(sim_model_dir, tmp_path, *args) as serve:
         [pid] = serve.worker_pids()
         short, long = _Stream(serve, 100), _Stream(serve, 4000)
         wait_until(lambda: short.started.is_set() and long.started.is_set(), 30, "two streams")
@@ -78,9 +68,9 @@ def test_sigterm_drains_short_requests_and_ends_long_ones_with_an_error(
 
 
 def test_killed_worker_is_reaped_and_restarted_on_the_same_port(
-    model_dir: Path, tmp_path: Path
+    sim_model_dir: Path, tmp_path: Path
 ) -> None:
-    with serve_proc(model_dir, tmp_path, "--workers", "1") as serve:
+    with serve_proc(sim_model_dir, tmp_path, "--workers", "1") as serve:
         [pid] = serve.worker_pids()
         [endpoint] = _listen_endpoints(serve.output())
         os.kill(pid, signal.SIGKILL)
