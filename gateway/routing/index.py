@@ -1,0 +1,315 @@
+"""KV index: which worker holds which pages, rebuilt from the workers' KV events (engine.events).
+
+Per worker the index keeps the page hashes whose full KV is cached, and which of them end a live
+SWA checkpoint. ``match`` answers, per worker, the raw full-KV match of a hash chain and the
+window-safe part of it, by the engine's own rule (``engine.kv.prefix_cache.PrefixCache.match``):
+page end ``p`` is usable when full KV covers pages ``[0, p)`` and the last ``min(k, p)`` pages
+before it have live SWA, ``k = ceil(W / page)``.
+
+The events say where SWA is live only through checkpoints: a live checkpoint ending at page ``j``
+guarantees live SWA on pages ``[j - k + 1, j]`` (the engine's invariant, DESIGN.md "The SWA
+invariants" 3, 5). The index applies the engine's rule to that knowledge (the union of the live
+checkpoints' windows), so it never credits a hit the engine would not give:
+
+    pages        0    1    2    3    4    5    6        (k = 2)
+    full         x    x    x    x    x    x    x        full_pages = 7
+    checkpoint             ^              ^            (ends at pages 2 and 5)
+    known SWA         x    x         x    x
+    usable?      n    n    y    n    n    y    n        usable_pages = 6
+
+The engine may hold more SWA than that ("history" SWA, kept while memory is plentiful); events do
+not announce it, so the index under-reports those hits. After ``PrefixCache.drop_history()`` the
+two agree exactly (tests/gateway/test_routing_index_property.py).
+
+Sequence numbers: each worker's ``kv`` stream counts batches from 0. A gap asks for a replay
+(``apply`` returns the seq to replay from); ``apply_replay`` fills it. When the publisher's replay
+buffer no longer reaches back to the gap (or there is no replay socket: ``resync``), the index
+forgets the worker's pages and rebuilds from the first batch it can still get. Workers offer no
+full-state dump, so pages stored before that point and still cached stay unknown until they are
+stored again or the router's own bookkeeping learns them: the index under-reports, never over.
+
+A seq at or below the last one seen on the live stream means the publisher restarted (the PUB
+stream only goes forward); the worker's pages are forgotten. A restart whose first seen seq is
+higher than the last one is told apart only by the worker's ``instance_id`` (``note_instance``,
+from ``LoadReport``/``Welcome``).
+
+Memory: at most ``max_pages`` entries over all workers; beyond it the least recently stored or
+matched entries are dropped (again an under-report). Thread-unsafe: one owner (the subscriber
+thread, or the event loop) applies and matches.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from engine.events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+    SwaCheckpointDropped,
+    SwaCheckpointStored,
+)
+
+DEFAULT_MAX_PAGES = 4_000_000
+MAX_PENDING_BATCHES = 10_000  # live batches held while a replay fills the gap before them
+
+
+class MatchResult(NamedTuple):
+    """One worker's cached prefix of a queried hash chain, in pages.
+
+    Attributes:
+        full_pages: pages [0, full_pages) have full KV on the worker.
+        usable_pages: the deepest window-safe resume point (<= full_pages).
+    """
+
+    full_pages: int
+    usable_pages: int
+
+
+@dataclass(slots=True)
+class IndexStats:
+    gaps: int = 0  # replays asked for
+    resyncs: int = 0  # times a worker's pages were forgotten for a gap no replay covered
+    restarts: int = 0  # times a worker's pages were forgotten for a restart
+    evicted_pages: int = 0  # dropped by the max_pages cap
+
+
+@dataclass(slots=True)
+class _Worker:
+    # NOTE: value = "a live checkpoint ends at this page"; order = least recently stored/matched
+    pages: OrderedDict[int, bool] = field(default_factory=OrderedDict)
+    window_pages: int | None = None  # k; None until a checkpoint event (or add_worker) says
+    next_seq: int = 0  # the seq of the next batch to apply
+    live_last: int | None = None  # the last seq seen on the live stream
+    pending: dict[int, KVEventBatch] = field(default_factory=dict)
+    instance_id: str | None = None
+
+
+class KVIndex:
+    """See the module docstring.
+
+    Args:
+        page_size: tokens per page, as the workers hash them (turns ``window`` into pages).
+        max_pages: cap on page entries over all workers.
+    """
+
+    def __init__(self, page_size: int, max_pages: int = DEFAULT_MAX_PAGES) -> None:
+        assert page_size > 0 and max_pages > 0, (page_size, max_pages)
+        self.page_size, self.max_pages = page_size, max_pages
+        self.stats = IndexStats()
+        self._workers: dict[str, _Worker] = {}
+        self._num_pages = 0
+
+    # ---------------------------------------------------------------- queries
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
+
+    def workers(self) -> list[str]:
+        return list(self._workers)
+
+    def window_pages(self, worker_id: str) -> int | None:
+        w = self._workers.get(worker_id)
+        return None if w is None else w.window_pages
+
+    def next_seq(self, worker_id: str) -> int:
+        """The seq of the next batch the index needs from ``worker_id`` (0 for a new one)."""
+        w = self._workers.get(worker_id)
+        return 0 if w is None else w.next_seq
+
+    def match(self, page_hashes: Sequence[int]) -> dict[str, MatchResult]:
+        """Per worker with at least one page of ``page_hashes`` cached: its ``MatchResult``.
+
+        A worker whose window is not known yet (no checkpoint event, no ``window_pages`` given)
+        gets ``usable_pages = 0``. Matched entries count as recently used for the cap.
+        """
+        out = {}
+        for worker_id, w in self._workers.items():
+            result = _match_one(w, page_hashes)
+            if result.full_pages:
+                out[worker_id] = result
+        return out
+
+    # ---------------------------------------------------------------- membership
+
+    def add_worker(self, worker_id: str, *, window_pages: int | None = None) -> None:
+        """Start tracking ``worker_id`` (``apply`` does it too). ``window_pages`` is k; 0 for
+        a model without SWA layers (every full page is usable); None: learn it from events."""
+        w = self._workers.setdefault(worker_id, _Worker())
+        if window_pages is not None:
+            w.window_pages = window_pages
+
+    def remove_worker(self, worker_id: str) -> None:
+        """The worker left: forget it."""
+        w = self._workers.pop(worker_id, None)
+        if w is not None:
+            self._num_pages -= len(w.pages)
+
+    def note_instance(self, worker_id: str, instance_id: str) -> bool:
+        """Record the worker's process instance; a new one means a restart (pages forgotten,
+        the next batch expected is seq 0). Returns whether it was a restart."""
+        w = self._workers.setdefault(worker_id, _Worker())
+        if w.instance_id is None or w.instance_id == instance_id:
+            w.instance_id = instance_id
+            return False
+        w.instance_id = instance_id
+        self._restart(w)
+        return True
+
+    # ---------------------------------------------------------------- events
+
+    def apply(self, worker_id: str, seq: int, batch: KVEventBatch) -> int | None:
+        """Apply one batch from the live stream.
+
+        Returns:
+            None, or the seq to ask a replay from (a gap before ``seq``; the batch is held until
+            ``apply_replay`` or ``resync``).
+        """
+        w = self._workers.setdefault(worker_id, _Worker())
+        if w.live_last is not None and seq <= w.live_last:
+            self._restart(w)
+        w.live_last = seq
+        if seq < w.next_seq:
+            return None  # NOTE: already applied from a replay
+        if seq > w.next_seq:
+            self._hold(w, seq, batch)
+            self.stats.gaps += 1
+            return w.next_seq
+        self._apply_batch(w, batch)
+        w.next_seq += 1
+        return self._drain(w)
+
+    def apply_replay(
+        self, worker_id: str, batches: Iterable[tuple[int, KVEventBatch]]
+    ) -> int | None:
+        """Apply a replay's ``(seq, batch)``s (any order; ones already applied are skipped).
+
+        When the replay starts after the seq the index needs, the gap can't be filled: the
+        worker's pages are forgotten and it rebuilds from the first batch there is.
+
+        Returns:
+            None, or the seq to ask a replay from for a gap that is still open.
+        """
+        w = self._workers.setdefault(worker_id, _Worker())
+        for seq, batch in batches:
+            if seq >= w.next_seq:
+                w.pending.setdefault(seq, batch)
+        if w.pending and w.next_seq not in w.pending:
+            self._forget(w, min(w.pending))
+            self.stats.resyncs += 1
+        return self._drain(w)
+
+    def resync(self, worker_id: str) -> None:
+        """No replay is possible: forget the worker's pages, go on from the held batches."""
+        w = self._workers.setdefault(worker_id, _Worker())
+        next_seq = min(w.pending) if w.pending else (w.live_last or -1) + 1
+        self._forget(w, next_seq)
+        self.stats.resyncs += 1
+        self._drain(w)
+
+    # ---------------------------------------------------------------- internals
+
+    def _apply_batch(self, w: _Worker, batch: KVEventBatch) -> None:
+        for event in batch.events:
+            self._apply_event(w, event)
+        self._enforce_cap()
+
+    def _apply_event(self, w: _Worker, event: KVEvent) -> None:
+        if isinstance(event, AllBlocksCleared):
+            self._num_pages -= len(w.pages)
+            w.pages.clear()
+            return
+        if getattr(event, "medium", MEDIUM_GPU) not in (MEDIUM_GPU, None):
+            return  # NOTE: other tiers (host, storage) are not device hits; not tracked yet
+        if isinstance(event, BlockStored):
+            for h in event.block_hashes:
+                if h in w.pages:
+                    w.pages.move_to_end(h)
+                else:
+                    w.pages[h] = False
+                    self._num_pages += 1
+        elif isinstance(event, BlockRemoved):
+            for h in event.block_hashes:
+                if w.pages.pop(h, None) is not None:
+                    self._num_pages -= 1
+        elif isinstance(event, SwaCheckpointStored):
+            w.window_pages = -(-(event.window or 0) // self.page_size)
+            for h in event.block_hashes:
+                if h in w.pages:  # NOTE: a page the cap dropped stays unknown
+                    w.pages[h] = True
+        elif isinstance(event, SwaCheckpointDropped):
+            for h in event.block_hashes:
+                if h in w.pages:
+                    w.pages[h] = False
+
+    def _drain(self, w: _Worker) -> int | None:
+        while (batch := w.pending.pop(w.next_seq, None)) is not None:
+            self._apply_batch(w, batch)
+            w.next_seq += 1
+        for seq in [s for s in w.pending if s < w.next_seq]:
+            del w.pending[seq]
+        return w.next_seq if w.pending else None
+
+    def _hold(self, w: _Worker, seq: int, batch: KVEventBatch) -> None:
+        w.pending[seq] = batch
+        if len(w.pending) > MAX_PENDING_BATCHES:
+            # NOTE: the replay never came; give up on the gap rather than grow without bound
+            self._forget(w, min(w.pending))
+            self.stats.resyncs += 1
+
+    def _restart(self, w: _Worker) -> None:
+        self._forget(w, 0)
+        w.live_last = None
+        self.stats.restarts += 1
+
+    def _forget(self, w: _Worker, next_seq: int) -> None:
+        self._num_pages -= len(w.pages)
+        w.pages.clear()
+        w.pending = {s: b for s, b in w.pending.items() if s >= next_seq}
+        w.next_seq = next_seq
+
+    def _enforce_cap(self) -> None:
+        while self._num_pages > self.max_pages:
+            # NOTE: O(workers) per eviction; the oldest entry of the biggest worker goes
+            biggest = max(self._workers.values(), key=lambda w: len(w.pages))
+            biggest.pages.popitem(last=False)
+            self._num_pages -= 1
+            self.stats.evicted_pages += 1
+
+
+def _match_one(w: _Worker, page_hashes: Sequence[int]) -> MatchResult:
+    """The engine's rule (``PrefixCache.match``) with "live SWA" = inside a live checkpoint's
+    window. ``swa_until`` is the deepest page index whose SWA a checkpoint seen so far (at or
+    after the current page) guarantees; it is found by looking k - 1 pages ahead."""
+    pages, k = w.pages, w.window_pages
+    full = 0
+    for h in page_hashes:
+        if h not in pages:
+            break
+        full += 1
+    if k is None or full == 0:
+        return MatchResult(full, 0)
+    if k == 0:
+        return MatchResult(full, full)
+    ckpt = [pages[page_hashes[i]] for i in range(full)]
+    for i in range(full):
+        pages.move_to_end(page_hashes[i])
+    # live[i]: page i lies in some checkpoint's window, i.e. a checkpoint ends in [i, i + k)
+    live, next_ckpt = [False] * full, None
+    for i in range(full - 1, -1, -1):
+        if ckpt[i]:
+            next_ckpt = i
+        live[i] = next_ckpt is not None and next_ckpt < i + k
+    usable = run = 0
+    for i in range(full):
+        run = run + 1 if live[i] else 0
+        if run >= min(k, i + 1):
+            usable = i + 1
+    return MatchResult(full, usable)

@@ -1,0 +1,183 @@
+"""``KVEventSubscriber``: one worker's PUB stream (topics ``kv`` and ``load``) into a ``KVIndex``.
+
+A thread per worker: it receives batches, applies them under ``lock`` (share it with whoever
+calls ``KVIndex.match``), asks the worker's replay socket for the batches a gap lost, and notes
+the worker's ``instance_id`` from its load reports (a new one = a restart). Without a replay
+endpoint a gap forgets the worker's pages (``KVIndex.resync``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from engine.events import END_SEQ, EventDecodeError, KVEventBatch, decode_batch
+from engine.protocol import LoadReport, decode_worker
+from gateway.routing.index import KVIndex
+
+logger = logging.getLogger(__name__)
+
+_SEQ_BYTES = 8
+# NOTE: engine.worker_events.KV_TOPIC / LOAD_TOPIC; that module imports the engine (torch)
+_KV = b"kv"
+_LOAD = b"load"
+
+
+class KVEventSubscriber:
+    """Feeds ``index`` from one worker's events. ``start()`` runs it in a daemon thread;
+    ``poll(timeout_s)`` handles one message in the caller's thread (tests).
+
+    Args:
+        worker_id: the index's name for the worker.
+        endpoint: the worker's PUB endpoint (``--events``).
+        replay_endpoint: its replay ROUTER (``--replay``); None: gaps resync.
+        lock: held while the index is touched.
+        replay_timeout_s: how long one replay may take before the gap is resynced.
+    """
+
+    def __init__(
+        self,
+        index: KVIndex,
+        worker_id: str,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        lock: threading.Lock | None = None,
+        replay_timeout_s: float = 2.0,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.index, self.worker_id = index, worker_id
+        self.lock = lock or threading.Lock()
+        self.last_load: LoadReport | None = None
+        self._ctx = context or zmq.Context.instance()
+        self._replay_endpoint, self._replay_timeout_s = replay_endpoint, replay_timeout_s
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        for topic in (_KV, _LOAD):
+            self._sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self._sub.connect(endpoint)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        with self.lock:
+            index.add_worker(worker_id)
+
+    def start(self) -> None:
+        """Catch up (a replay from seq 0, what the worker still buffers), then follow the stream."""
+        self._thread = threading.Thread(target=self._run, name=f"kv-events-{self.worker_id}",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread, close the socket and forget the worker (it left the index)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._sub.close(linger=0)
+        with self.lock:
+            self.index.remove_worker(self.worker_id)
+
+    def catch_up(self) -> None:
+        """Ask for every batch from the index's next seq on (at start: what the worker buffers)."""
+        self._fill_gap(self._next_seq())
+
+    def poll(self, timeout_s: float) -> bool:
+        """Handle one message if one arrives within ``timeout_s``; returns whether one did."""
+        if not self._sub.poll(int(timeout_s * 1000)):
+            return False
+        frames = self._sub.recv_multipart()
+        if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
+            logger.warning("worker %s: KV event message of %d frames", self.worker_id, len(frames))
+            return True
+        topic, seq = frames[0], int.from_bytes(frames[1], "big")
+        if topic == _LOAD:
+            self._on_load(frames[2])
+        elif topic == _KV:
+            self._on_batch(seq, frames[2])
+        return True
+
+    # ---------------------------------------------------------------- internals
+
+    def _run(self) -> None:
+        try:
+            self.catch_up()
+            while not self._stop.is_set():
+                self.poll(0.1)
+        except zmq.ZMQError:
+            if not self._stop.is_set():
+                logger.exception("worker %s: KV event subscriber stopped", self.worker_id)
+
+    def _on_load(self, payload: bytes) -> None:
+        try:
+            msg = decode_worker(payload)
+        except ValueError:
+            logger.warning("worker %s: malformed load report", self.worker_id)
+            return
+        if isinstance(msg, LoadReport):
+            self.last_load = msg
+            if msg.instance_id:
+                with self.lock:
+                    self.index.note_instance(self.worker_id, msg.instance_id)
+
+    def _on_batch(self, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode_batch(payload)
+        except EventDecodeError as exc:
+            # NOTE: a batch we can't read is a batch lost: held back, the next one shows a gap
+            logger.warning("worker %s: %s", self.worker_id, exc)
+            return
+        with self.lock:
+            gap = self.index.apply(self.worker_id, seq, batch)
+        if gap is not None:
+            self._fill_gap(gap)
+
+    def _fill_gap(self, start_seq: int) -> None:
+        """Replay from ``start_seq``; as long as a gap stays open, retry once, then resync."""
+        for _ in range(2):
+            batches = self._replay(start_seq)
+            if batches is None:
+                break
+            with self.lock:
+                gap = self.index.apply_replay(self.worker_id, batches)
+            if gap is None:
+                return
+            start_seq = gap
+        with self.lock:
+            self.index.resync(self.worker_id)
+
+    def _replay(self, start_seq: int) -> list[tuple[int, KVEventBatch]] | None:
+        if self._replay_endpoint is None:
+            return None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        try:
+            dealer.connect(self._replay_endpoint)
+            dealer.send_multipart([b"", start_seq.to_bytes(_SEQ_BYTES, "big", signed=True)])
+            return _collect(dealer, time.monotonic() + self._replay_timeout_s)
+        except (TimeoutError, EventDecodeError) as exc:
+            logger.warning("worker %s: KV event replay failed: %s", self.worker_id, exc)
+            return None
+        finally:
+            dealer.close(linger=0)
+
+    def _next_seq(self) -> int:
+        with self.lock:
+            return self.index.next_seq(self.worker_id)
+
+
+def _collect(dealer: zmq.Socket[bytes], deadline: float) -> list[tuple[int, KVEventBatch]]:
+    batches = []
+    while (left_s := deadline - time.monotonic()) > 0:
+        if not dealer.poll(max(1, int(left_s * 1000))):
+            break
+        frames = dealer.recv_multipart()
+        if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
+            raise EventDecodeError(f"KV event replay message has {len(frames)} frames")
+        seq = int.from_bytes(frames[1], "big", signed=True)
+        if seq == END_SEQ:
+            return batches
+        batches.append((seq, decode_batch(frames[2])))
+    raise TimeoutError(f"KV event replay incomplete after {len(batches)} batches")
