@@ -82,13 +82,48 @@ class IndexStats:
 
 @dataclass(slots=True)
 class _Worker:
-    # NOTE: value = "a live checkpoint ends at this page"; order = least recently stored/matched
-    pages: OrderedDict[int, bool] = field(default_factory=OrderedDict)
+    # NOTE: page hash -> parent hash; order = least recently stored/matched first
+    pages: OrderedDict[int, int | None] = field(default_factory=OrderedDict)
+    ckpts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # live end -> its window
+    cover: dict[int, int] = field(default_factory=dict)  # page -> live windows holding it
     window_pages: int | None = None  # k; None until a checkpoint event (or add_worker) says
     next_seq: int = 0  # the seq of the next batch to apply
     live_last: int | None = None  # the last seq seen on the live stream
     pending: dict[int, KVEventBatch] = field(default_factory=dict)
     instance_id: str | None = None
+
+    def clear(self) -> None:
+        self.pages.clear()
+        self.ckpts.clear()
+        self.cover.clear()
+
+    def add_ckpt(self, end: int, k: int) -> None:
+        """A checkpoint ends at ``end``: its window is ``end`` and up to k - 1 known parents."""
+        if end in self.ckpts or end not in self.pages:
+            return  # NOTE: a page the cap dropped stays unknown (an under-report)
+        window, h = [], end
+        while h is not None and h in self.pages and len(window) < k:
+            window.append(h)
+            h = self.pages[h]
+        self.ckpts[end] = tuple(window)
+        for h in window:
+            self.cover[h] = self.cover.get(h, 0) + 1
+
+    def drop_ckpt(self, end: int) -> None:
+        for h in self.ckpts.pop(end, ()):
+            n = self.cover.get(h, 0) - 1
+            if n > 0:
+                self.cover[h] = n
+            else:
+                self.cover.pop(h, None)
+
+    def remove(self, h: int) -> bool:
+        if h not in self.pages:
+            return False
+        self.drop_ckpt(h)
+        del self.pages[h]
+        self.cover.pop(h, None)
+        return True
 
 
 class KVIndex:
@@ -224,30 +259,28 @@ class KVIndex:
     def _apply_event(self, w: _Worker, event: KVEvent) -> None:
         if isinstance(event, AllBlocksCleared):
             self._num_pages -= len(w.pages)
-            w.pages.clear()
+            w.clear()
             return
         if getattr(event, "medium", MEDIUM_GPU) not in (MEDIUM_GPU, None):
             return  # NOTE: other tiers (host, storage) are not device hits; not tracked yet
         if isinstance(event, BlockStored):
+            parent = event.parent_block_hash
             for h in event.block_hashes:
                 if h in w.pages:
                     w.pages.move_to_end(h)
                 else:
-                    w.pages[h] = False
+                    w.pages[h] = parent
                     self._num_pages += 1
+                parent = h
         elif isinstance(event, BlockRemoved):
-            for h in event.block_hashes:
-                if w.pages.pop(h, None) is not None:
-                    self._num_pages -= 1
+            self._num_pages -= sum(map(w.remove, event.block_hashes))
         elif isinstance(event, SwaCheckpointStored):
-            w.window_pages = -(-(event.window or 0) // self.page_size)
+            k = w.window_pages = -(-(event.window or 0) // self.page_size)
             for h in event.block_hashes:
-                if h in w.pages:  # NOTE: a page the cap dropped stays unknown
-                    w.pages[h] = True
+                w.add_ckpt(h, k)
         elif isinstance(event, SwaCheckpointDropped):
             for h in event.block_hashes:
-                if h in w.pages:
-                    w.pages[h] = False
+                w.drop_ckpt(h)
 
     def _drain(self, w: _Worker) -> int | None:
         while (batch := w.pending.pop(w.next_seq, None)) is not None:
@@ -271,7 +304,7 @@ class KVIndex:
 
     def _forget(self, w: _Worker, next_seq: int) -> None:
         self._num_pages -= len(w.pages)
-        w.pages.clear()
+        w.clear()
         w.pending = {s: b for s, b in w.pending.items() if s >= next_seq}
         w.next_seq = next_seq
 
@@ -279,37 +312,28 @@ class KVIndex:
         while self._num_pages > self.max_pages:
             # NOTE: O(workers) per eviction; the oldest entry of the biggest worker goes
             biggest = max(self._workers.values(), key=lambda w: len(w.pages))
-            biggest.pages.popitem(last=False)
+            biggest.remove(next(iter(biggest.pages)))
             self._num_pages -= 1
             self.stats.evicted_pages += 1
 
 
 def _match_one(w: _Worker, page_hashes: Sequence[int]) -> MatchResult:
     """The engine's rule (``PrefixCache.match``) with "live SWA" = inside a live checkpoint's
-    window. ``swa_until`` is the deepest page index whose SWA a checkpoint seen so far (at or
-    after the current page) guarantees; it is found by looking k - 1 pages ahead."""
+    window (``w.cover``)."""
     pages, k = w.pages, w.window_pages
     full = 0
     for h in page_hashes:
         if h not in pages:
             break
+        pages.move_to_end(h)
         full += 1
-    if k is None or full == 0:
+    if k is None:
         return MatchResult(full, 0)
     if k == 0:
         return MatchResult(full, full)
-    ckpt = [pages[page_hashes[i]] for i in range(full)]
-    for i in range(full):
-        pages.move_to_end(page_hashes[i])
-    # live[i]: page i lies in some checkpoint's window, i.e. a checkpoint ends in [i, i + k)
-    live, next_ckpt = [False] * full, None
-    for i in range(full - 1, -1, -1):
-        if ckpt[i]:
-            next_ckpt = i
-        live[i] = next_ckpt is not None and next_ckpt < i + k
     usable = run = 0
     for i in range(full):
-        run = run + 1 if live[i] else 0
+        run = run + 1 if page_hashes[i] in w.cover else 0
         if run >= min(k, i + 1):
             usable = i + 1
     return MatchResult(full, usable)
