@@ -27,6 +27,9 @@ class EngineConfig:
         enable_prefix_cache: keep KV of finished work for later requests.
         keep_page_tokens: store cached pages' token ids (hash-collision check, token_ids in
             BlockStored events); trace replays turn it off to hold 10^7 pages.
+        checkpoint_interval_tokens: keep an extra SWA checkpoint every this many tokens along
+            each new prompt (dropped first under pressure); 0 disables. A multiple of page_size;
+            the default is chosen by ``loadtest/bench_engine.py hit-rate`` (issue 9).
         dtype, device: for "native"; device None = CUDA when available.
     """
 
@@ -39,6 +42,7 @@ class EngineConfig:
     max_waiting_requests: int = 1024
     enable_prefix_cache: bool = True
     keep_page_tokens: bool = True
+    checkpoint_interval_tokens: int = 0
     dtype: str = "auto"
     device: str | None = None
 
@@ -46,6 +50,8 @@ class EngineConfig:
         p = self.page_size
         assert p > 0 and p & (p - 1) == 0, f"page_size={p}: must be a power of 2"
         assert self.backend in ("native", "sim"), f"backend={self.backend!r}: native or sim"
+        ci = self.checkpoint_interval_tokens
+        assert ci >= 0 and ci % p == 0, f"checkpoint_interval_tokens={ci}: a multiple of {p}"
         assert self.kv_budget_bytes > 0, f"kv_budget_bytes={self.kv_budget_bytes}: must be > 0"
         assert self.max_num_batched_tokens >= p, (
             f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= page_size={p}"

@@ -74,7 +74,7 @@ class Engine:
         self.runner = self._make_runner(model, cost)
         self.cache = PrefixCache(self.allocator, enabled=cfg.enable_prefix_cache,
                                  keep_tokens=cfg.keep_page_tokens, on_event=on_cache_event)
-        self.kv = KVManager(self.allocator, self.cache)
+        self.kv = KVManager(self.allocator, self.cache, cfg.checkpoint_interval_tokens)
         self.scheduler = Scheduler(
             self.kv, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_running_requests=cfg.max_running_requests,

@@ -4,11 +4,13 @@
    W = 128, page 16) vs the all-full-attention layout and the ideal (10 L + 60 W) / (70 L).
 2. hit-rate: prefix-cache token hit rate replaying the Mooncake traces (sim backend, one worker,
    prefill-only, trace order) at several budgets, ours vs (a) all layers full attention (our
-   engine) and (b) an SGLang-style cache (loadtest/sglang_ref.py).
+   engine) and (b) an SGLang-style cache (loadtest/sglang_ref.py); ours once per periodic
+   checkpoint interval (--intervals, 0 = none), side by side, to choose the default (issue 9).
 3. decode: decode tok/s with continuous batching at batch 1, 8, 32 vs transformers generate().
 
     python loadtest/bench_engine.py [kv-bytes|hit-rate|decode ...] [--budgets 1,3,10,30]
-        [--traces conversation,synthetic] [--limit N]
+        [--traces conversation,synthetic] [--limit N] [--intervals 0,1024,2048,4096]
+        [--no-baselines]
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ REFERENCE = {
     "synthetic": {"sglang": (14.1, 31.3, 57.6, 65.1), "checkpoints": (42.2, 58.2, 58.3, 58.3)},
 }
 REFERENCE_BUDGETS = (1.0, 3.0, 10.0, 30.0)
+# Issue 9: synthetic must reach a simple design with a checkpoint every 2,048 prompt tokens, and
+# conversation must stay at or above ours before periodic checkpoints.
+REFERENCE["synthetic"]["periodic-2048"] = (43.6, 63.1, 64.6, 65.1)
+REFERENCE["conversation"]["ours-issue-3"] = (22.4, 33.8, 36.3, 37.3)
 
 
 def pro_geometry(all_full: bool = False) -> ModelConfig:
@@ -53,10 +59,12 @@ def pro_geometry(all_full: bool = False) -> ModelConfig:
 TOKEN_BYTES = LAYERS * KV_HEADS * 2 * HEAD_DIM * DTYPE_BYTES  # one token, all layers, full attn
 
 
-def sim_engine(budget_tokens: float, *, all_full: bool = False, cache: bool = True) -> Engine:
+def sim_engine(budget_tokens: float, *, all_full: bool = False, cache: bool = True,
+               interval: int = 0) -> Engine:
     cfg = EngineConfig(backend="sim", page_size=PAGE, kv_budget_bytes=int(budget_tokens
                        * TOKEN_BYTES), max_num_batched_tokens=CHUNK, max_running_requests=1,
-                       enable_prefix_cache=cache, keep_page_tokens=False)
+                       enable_prefix_cache=cache, keep_page_tokens=False,
+                       checkpoint_interval_tokens=interval)
     return Engine(cfg, model_config=pro_geometry(all_full), cost=ZERO_COST)
 
 
@@ -97,8 +105,8 @@ def bench_kv_bytes() -> None:
 
 
 def replay_ours(records: list[tr.Record], src: tr.TokenSource, budget: float,
-                all_full: bool) -> float:
-    eng = sim_engine(budget * 1e6, all_full=all_full)
+                all_full: bool, interval: int = 0) -> float:
+    eng = sim_engine(budget * 1e6, all_full=all_full, interval=interval)
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
     hit = total = 0
     for i, rec in enumerate(records):
@@ -127,35 +135,43 @@ def replay_sglang(records: list[tr.Record], src: tr.TokenSource, budget: float) 
     return hit / total
 
 
-def bench_hit_rate(traces: list[str], budgets: list[float], limit: int | None) -> None:
+def bench_hit_rate(traces: list[str], budgets: list[float], limit: int | None,
+                   intervals: list[int], baselines: bool = True) -> None:
+    """One row per trace and budget: ours at each periodic checkpoint interval, side by side;
+    "met" is judged on the first interval listed (the candidate default)."""
     print("hit-rate: token hit rate, prefill-only replay in trace order, page 16, W = 128, "
-          "budget in M full-attention-token equivalents")
-    print(f"{'trace':>12} {'budget':>6} {'ours':>7} {'all-full':>9} {'sglang-style':>13} "
-          f"{'ours/best':>10} {'target':>7} {'met':>4} {'secs':>6}")
+          "budget in M full-attention-token equivalents; ours@I = checkpoint every I prompt "
+          "tokens (0 = none)")
+    cols = "".join(f"{f'ours@{i}':>10}" for i in intervals)
+    print(f"{'trace':>12} {'budget':>6}{cols} {'all-full':>9} {'sglang-style':>13} "
+          f"{'target':>7} {'met':>4} {'secs':>6}")
     for name in traces:
         records = tr.load(name, limit)
         src = tr.TokenSource(vocab_size=152_576, page_size=PAGE)
         for budget in budgets:
             t0 = time.perf_counter()
-            ours = replay_ours(records, src, budget, all_full=False)
-            full = replay_ours(records, src, budget, all_full=True)
-            sgl = replay_sglang(records, src, budget)
-            best = max(full, sgl)
+            ours = [replay_ours(records, src, budget, False, i) for i in intervals]
+            full = replay_ours(records, src, budget, all_full=True) if baselines else None
+            sgl = replay_sglang(records, src, budget) if baselines else None
             target = _target(name, budget)
-            met = "-" if target is None else ("yes" if round(100 * ours, 1) >= target else "NO")
+            met = "-" if target is None else ("yes" if round(100 * ours[0], 1) >= target else "NO")
             tgt = "-" if target is None else f"{target:.1f}%"
-            print(f"{name:>12} {budget:>5g}M {ours:7.1%} {full:9.1%} {sgl:13.1%} "
-                  f"{ours / best:10.3f} {tgt:>7} {met:>4} {time.perf_counter() - t0:6.0f}",
-                  flush=True)
+            row = "".join(f"{o:10.1%}" for o in ours)
+            print(f"{name:>12} {budget:>5g}M{row} {_pct(full):>9} {_pct(sgl):>13} "
+                  f"{tgt:>7} {met:>4} {time.perf_counter() - t0:6.0f}", flush=True)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
 
 
 def _target(trace: str, budget: float) -> float | None:
-    """The better of issue 3's two reference designs at this budget (None: no reference)."""
+    """The best reference design at this budget (None: no reference)."""
     ref = REFERENCE.get(trace)
     if ref is None or budget not in REFERENCE_BUDGETS:
         return None
     i = REFERENCE_BUDGETS.index(budget)
-    return max(ref["sglang"][i], ref["checkpoints"][i])
+    return max(r[i] for r in ref.values())
 
 
 def main() -> None:
@@ -164,12 +180,16 @@ def main() -> None:
     ap.add_argument("--budgets", default="1,3,10,30")
     ap.add_argument("--traces", default="conversation,synthetic")
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N records")
+    ap.add_argument("--intervals", default="0,1024,2048,4096",
+                    help="periodic checkpoint intervals in tokens, side by side (0 = none)")
+    ap.add_argument("--no-baselines", action="store_true", help="skip all-full and sglang-style")
     args = ap.parse_args()
     if "kv-bytes" in args.parts:
         bench_kv_bytes()
     if "hit-rate" in args.parts:
         bench_hit_rate(args.traces.split(","), [float(b) for b in args.budgets.split(",")],
-                       args.limit)
+                       args.limit, [int(i) for i in args.intervals.split(",")],
+                       not args.no_baselines)
     if "decode" in args.parts:
         from bench_decode import bench_decode
 

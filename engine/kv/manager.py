@@ -26,8 +26,17 @@ from engine.sequence import Sequence
 
 
 class KVManager:
-    def __init__(self, allocator: PageAllocator, cache: PrefixCache) -> None:
+    """Args:
+    checkpoint_interval_tokens: also checkpoint every this many tokens along each newly computed
+        prompt (periodic checkpoints, dropped first under pressure); 0 disables. A multiple of
+        the page size.
+    """
+
+    def __init__(
+        self, allocator: PageAllocator, cache: PrefixCache, checkpoint_interval_tokens: int = 0
+    ) -> None:
         self.allocator, self.cache = allocator, cache
+        self.checkpoint_interval_tokens = checkpoint_interval_tokens
         layout = allocator.layout
         self.page_size, self.window = layout.page_size, layout.window
         self.has_swa = layout.page_bytes(PageKind.SWA) > 0
@@ -112,6 +121,10 @@ class KVManager:
             pages = pos // p  # the hint's page-aligned floor, reached by this step?
             if before < pages * p <= seq.num_computed and pages >= 1:
                 self.cache.mark_checkpoint(seq.path[pages - 1])
+        for pos in periodic_checkpoints(
+            before, seq.num_computed, len(seq.prompt_ids), self.checkpoint_interval_tokens
+        ):
+            self.cache.mark_checkpoint(seq.path[pos // p - 1], periodic=True)
 
     # ------------------------------------------------------------------ release
 
@@ -162,3 +175,22 @@ class KVManager:
         seq.path.append(node)
         if swa is not None:
             seq.swa_pinned.append(node)
+
+
+def periodic_checkpoints(
+    before: int, num_computed: int, prompt_len: int, interval_tokens: int
+) -> range:
+    """Periodic checkpoint positions a step computing [before, num_computed) reached.
+
+    Multiples of ``interval_tokens`` in (before, min(num_computed, prompt_len)]; none when the
+    interval is 0. Only newly computed prompt tokens get them: a cached prefix already has its own.
+
+        positions   0 ...... I ...... 2I ...... 3I ..... prompt_len
+        step        [before ........... num_computed)
+        marked               I         2I                (when I, 2I in (before, end])
+    """
+    if interval_tokens <= 0:
+        return range(0)
+    end = min(num_computed, prompt_len)
+    first = (before // interval_tokens + 1) * interval_tokens
+    return range(first, end + 1, interval_tokens)

@@ -13,10 +13,11 @@ p where full KV covers [0, p) and live SWA covers [p - W, p):
 
 Retention (DESIGN.md invariant 3) is adaptive. SWA pages are "history" unless they belong to a
 checkpoint (the k = ceil(W / page) pages before a marked resume point: a prompt end, an output end,
-an observed branch point). Eviction frees, in order: history SWA (LRU), then the least recently
-used of {checkpoint demotion, leaf deletion}; retained checkpoints (TTL hints) go last. So while
-memory is plentiful every page keeps its SWA and hits land anywhere; under pressure the cache
-degrades to checkpoints.
+an observed branch point, or a periodic point every ``checkpoint_interval_tokens`` along a new
+prompt). Eviction frees, in order: history SWA (LRU), then periodic checkpoints (LRU), then the
+least recently used of {checkpoint demotion, leaf deletion}; retained checkpoints (TTL hints) go
+last. So while memory is plentiful every page keeps its SWA and hits land anywhere; under pressure
+the cache degrades to periodic plus resume-point checkpoints, then to resume points only.
 
 Ownership: once a page is in the tree, the tree owns it. Running requests pin what they use:
 ``full_refs`` on their deepest node (ancestors are pinned by having children) and ``swa_refs`` on
@@ -52,6 +53,7 @@ class Node:
         "swa_refs",
         "ckpt_refs",
         "is_ckpt_end",
+        "is_periodic",
         "retain_until",
         "access",
         "swa_access",
@@ -71,7 +73,7 @@ class Node:
         self.full_page, self.swa_page, self.token_ids = full_page, swa_page, token_ids
         self.num_children = 0
         self.full_refs = self.swa_refs = self.ckpt_refs = 0
-        self.is_ckpt_end = False
+        self.is_ckpt_end = self.is_periodic = False
         self.retain_until = 0.0
         self.access = self.swa_access = 0
         self.alive = True
@@ -149,6 +151,7 @@ class PrefixCache:
         self._swa_heap: list[tuple[int, int, Node]] = []  # history SWA, by swa_access
         self._leaf_heap: list[tuple[int, int, Node]] = []  # deletable leaves, by access
         self._ckpt_heap: list[tuple[int, int, Node]] = []  # checkpoint ends, by swa_access
+        self._periodic_heap: list[tuple[int, int, Node]] = []  # periodic ends, by swa_access
         layout = self.allocator.layout
         self.page_size, self.window = layout.page_size, layout.window
         self.has_swa = layout.page_bytes(PageKind.SWA) > 0
@@ -263,10 +266,14 @@ class PrefixCache:
             return
         self._offer(node)
 
-    def mark_checkpoint(self, node: Node, retain_ttl_s: float | None = None) -> bool:
+    def mark_checkpoint(
+        self, node: Node, retain_ttl_s: float | None = None, *, periodic: bool = False
+    ) -> bool:
         """Make ``node``'s end a resume point: keep SWA for the k pages ending at it.
 
         ``retain_ttl_s`` protects it from eviction for that long (sessions paused in a tool call).
+        ``periodic`` marks a speculative point (every N tokens along a prompt): pressure drops
+        those first, LRU; marking it again without ``periodic`` promotes it to a resume point.
         Returns False (and marks nothing) when the window before it is not all live.
 
         NOTE (invariant): every checkpoint's k pages keep live SWA until it is dropped.
@@ -276,12 +283,15 @@ class PrefixCache:
         if retain_ttl_s is not None:
             node.retain_until = max(node.retain_until, self.clock() + retain_ttl_s)
         if node.is_ckpt_end:
+            if node.is_periodic and not periodic:  # promote: a real resume point lands here
+                node.is_periodic = False
+                self._push(self._ckpt_heap, node.swa_access, node)
             return True
-        node.is_ckpt_end = True
+        node.is_ckpt_end, node.is_periodic = True, periodic
         for n in node.ancestors(self.window_pages):
             n.ckpt_refs += 1
         node.swa_access = next(self._tick)
-        self._push(self._ckpt_heap, node.swa_access, node)
+        self._push(self._periodic_heap if periodic else self._ckpt_heap, node.swa_access, node)
         self._emit("ckpt_stored", node)
         return True
 
@@ -324,6 +334,10 @@ class PrefixCache:
         if node is not None:
             self._drop_swa(node)
             return True
+        periodic = self._pop(self._periodic_heap, lambda n: n.swa_access, self._is_periodic)
+        if periodic is not None:
+            self._drop_checkpoint(periodic)
+            return True
         now = self.clock()
         retained: list[tuple[list[tuple[int, int, Node]], tuple[int, int, Node]]] = []
         try:
@@ -360,7 +374,7 @@ class PrefixCache:
     def _drop_checkpoint(self, end: Node) -> None:
         if not end.is_ckpt_end:
             return
-        end.is_ckpt_end = False
+        end.is_ckpt_end = end.is_periodic = False
         end.retain_until = 0.0
         for n in end.ancestors(self.window_pages):
             n.ckpt_refs -= 1
@@ -415,7 +429,10 @@ class PrefixCache:
         # NOTE: demotable even while a running request pins some of its window: demotion only
         # drops the checkpoint refs, pinned pages stay until unpinned (then they are history).
         # Skipping pinned ones here would pop them off the heap for good (nothing re-offers them).
-        return n.alive and n.is_ckpt_end
+        return n.alive and n.is_ckpt_end and not n.is_periodic
+
+    def _is_periodic(self, n: Node) -> bool:
+        return n.alive and n.is_ckpt_end and n.is_periodic
 
     def _window_live(self, end: Node) -> bool:
         return all(a.swa_page is not None for a in end.ancestors(self.window_pages))
@@ -439,7 +456,7 @@ class PrefixCache:
                 n.swa_access = tick
                 self._offer(n)
             if end.is_ckpt_end:
-                self._push(self._ckpt_heap, tick, end)
+                self._push(self._periodic_heap if end.is_periodic else self._ckpt_heap, tick, end)
 
     def _push(self, heap: list[tuple[int, int, Node]], key: int, n: Node) -> None:
         heapq.heappush(heap, (key, next(self._seq), n))

@@ -157,6 +157,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.running.remove(req)
 
     @precondition(lambda self: self.cache is not None)
+    @rule(req=requests, depth=st.integers(0, 9))
+    def mark_periodic(self, req: _Running, depth: int) -> None:
+        """A periodic checkpoint (issue 9) on a running request's page: dropped first."""
+        if req in self.running and depth < len(req.path):
+            self.cache.mark_checkpoint(req.path[depth], periodic=True)
+
+    @precondition(lambda self: self.cache is not None)
     @rule(num_full=st.integers(0, 6), num_swa=st.integers(0, 6))
     def evict(self, num_full: int, num_swa: int) -> None:
         ok = self.cache.evict(num_full, num_swa)
