@@ -298,6 +298,7 @@ class KVIndex:
             self.stats.resyncs += 1
 
     def _restart(self, w: _Worker) -> None:
+        w.pending.clear()  # NOTE: the old instance's batches
         self._forget(w, 0)
         w.live_last = None
         self.stats.restarts += 1
