@@ -120,7 +120,9 @@ class KVEventSubscriber:
             self.last_load = msg
             if msg.instance_id:
                 with self.lock:
-                    self.index.note_instance(self.worker_id, msg.instance_id)
+                    restarted = self.index.note_instance(self.worker_id, msg.instance_id)
+                if restarted:
+                    self.catch_up()  # NOTE: batches of the new instance seen before this report
 
     def _on_batch(self, seq: int, payload: bytes) -> None:
         try:
