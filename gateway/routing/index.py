@@ -33,9 +33,13 @@ stream only goes forward); the worker's pages are forgotten. A restart whose fir
 higher than the last one is told apart only by the worker's ``instance_id`` (``note_instance``,
 from ``LoadReport``/``Welcome``).
 
-Memory: at most ``max_pages`` entries over all workers; beyond it the least recently stored or
-matched entries are dropped (again an under-report). Thread-unsafe: one owner (the subscriber
-thread, or the event loop) applies and matches.
+A batch lost at the end of a burst shows as a gap only when a later batch (or a periodic
+catch-up replay, ``KVEventSubscriber``) arrives; until then the index may be behind the worker.
+
+Memory: at most ``max_pages`` page entries over all workers (about 170 bytes each with CPython
+3.12: the hash, its parent link and the LRU order; test_routing_index.py measures it); beyond it
+the least recently stored or matched entry of the biggest worker is dropped (an under-report
+again). Not thread-safe: callers serialize ``apply*`` and ``match`` (``KVEventSubscriber.lock``).
 """
 
 from __future__ import annotations
@@ -244,7 +248,8 @@ class KVIndex:
     def resync(self, worker_id: str) -> None:
         """No replay is possible: forget the worker's pages, go on from the held batches."""
         w = self._workers.setdefault(worker_id, _Worker())
-        next_seq = min(w.pending) if w.pending else (w.live_last or -1) + 1
+        last = -1 if w.live_last is None else w.live_last
+        next_seq = min(w.pending) if w.pending else max(w.next_seq, last + 1)
         self._forget(w, next_seq)
         self.stats.resyncs += 1
         self._drain(w)

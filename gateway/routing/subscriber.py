@@ -37,6 +37,7 @@ class KVEventSubscriber:
         replay_endpoint: its replay ROUTER (``--replay``); None: gaps resync.
         lock: held while the index is touched.
         replay_timeout_s: how long one replay may take before the gap is resynced.
+        catch_up_s: with no message for this long, ask a replay of what may have been lost.
     """
 
     def __init__(
@@ -48,6 +49,7 @@ class KVEventSubscriber:
         replay_endpoint: str | None = None,
         lock: threading.Lock | None = None,
         replay_timeout_s: float = 2.0,
+        catch_up_s: float = 1.0,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         self.index, self.worker_id = index, worker_id
@@ -55,6 +57,8 @@ class KVEventSubscriber:
         self.last_load: LoadReport | None = None
         self._ctx = context or zmq.Context.instance()
         self._replay_endpoint, self._replay_timeout_s = replay_endpoint, replay_timeout_s
+        self._catch_up_s = catch_up_s
+        self._last_batch_s = time.monotonic()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         for topic in (_KV, _LOAD):
@@ -82,6 +86,7 @@ class KVEventSubscriber:
 
     def catch_up(self) -> None:
         """Ask for every batch from the index's next seq on (at start: what the worker buffers)."""
+        self._last_batch_s = time.monotonic()
         self._fill_gap(self._next_seq())
 
     def poll(self, timeout_s: float) -> bool:
@@ -106,6 +111,10 @@ class KVEventSubscriber:
             self.catch_up()
             while not self._stop.is_set():
                 self.poll(0.1)
+                idle_s = time.monotonic() - self._last_batch_s
+                if self._replay_endpoint is not None and idle_s > self._catch_up_s:
+                    # NOTE: a lost last batch shows no gap until another comes: ask anyway
+                    self.catch_up()
         except zmq.ZMQError:
             if not self._stop.is_set():
                 logger.exception("worker %s: KV event subscriber stopped", self.worker_id)
@@ -125,6 +134,7 @@ class KVEventSubscriber:
                     self.catch_up()  # NOTE: batches of the new instance seen before this report
 
     def _on_batch(self, seq: int, payload: bytes) -> None:
+        self._last_batch_s = time.monotonic()
         try:
             batch = decode_batch(payload)
         except EventDecodeError as exc:
