@@ -85,9 +85,18 @@ class KVEventSubscriber:
             self.index.remove_worker(self.worker_id)
 
     def catch_up(self) -> None:
-        """Ask for every batch from the index's next seq on (at start: what the worker buffers)."""
+        """Ask for every batch from the index's next seq on (at start: what the worker buffers).
+
+        NOTE: no gap is known here, so a replay that fails (a busy or dead worker) changes
+        nothing; one that starts past the index's next seq still resyncs (those are lost).
+        """
         self._last_batch_s = time.monotonic()
-        self._fill_gap(self._next_seq())
+        batches = self._replay(self._next_seq())
+        if batches is not None:
+            with self.lock:
+                gap = self.index.apply_replay(self.worker_id, batches)
+            if gap is not None:
+                self._fill_gap(gap)
 
     def poll(self, timeout_s: float) -> bool:
         """Handle one message if one arrives within ``timeout_s``; returns whether one did."""

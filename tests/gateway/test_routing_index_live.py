@@ -4,12 +4,14 @@ the worker then reports as cached (``Finished.cached_tokens`` of a follow-up req
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
 import zmq
 
+from engine.events import BlockStored, EventPublisher
 from engine.hashing import page_hashes
 from engine.protocol import ErrorReply, Finished, Generate, SamplingSpec, decode_worker, encode
 from gateway.routing import KVEventSubscriber, KVIndex, MatchResult
@@ -133,3 +135,48 @@ def test_worker_restart_is_forgotten() -> None:
     finally:
         sub.stop()
         proc.stop()
+
+
+@pytest.mark.parametrize("with_replay", [True, False])
+def test_gap_is_replayed_or_resynced(with_replay: bool) -> None:
+    """Batches published before the SUB socket joined are lost on the stream; the first one that
+    arrives shows the gap, and the replay socket (an in-process EventPublisher) fills it."""
+    pub = EventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", topic="kv")
+    stop = threading.Event()
+
+    def serve_replays() -> None:
+        while not stop.is_set():
+            pub.poll_replay()
+            time.sleep(0.005)
+
+    server = threading.Thread(target=serve_replays, daemon=True)
+    server.start()
+    hashes = list(range(1, 200))
+    pub.publish([_stored_page(hashes, 0)])  # nobody listens yet: lost on the stream
+    index = KVIndex(PAGE)
+    sub = KVEventSubscriber(index, "p", pub.endpoint,
+                            replay_endpoint=pub.replay_endpoint if with_replay else None)
+    try:
+        i = 1
+        deadline = time.monotonic() + TIMEOUT_S
+        while not sub.poll(0.05):  # NOTE: the SUB socket joins after a while ("slow joiner")
+            assert time.monotonic() < deadline, "the subscriber never joined"
+            pub.publish([_stored_page(hashes, i)])
+            i += 1
+        assert index.stats.gaps == 1
+        full = index.match(hashes[:i]).get("p", MatchResult(0, 0)).full_pages
+        if with_replay:
+            assert full == i and index.stats.resyncs == 0
+        else:  # forgotten: only what came after the gap, which no match from page 0 reaches
+            assert full == 0 and index.stats.resyncs == 1
+            assert index.match(hashes[i - 1 : i]) == {"p": MatchResult(1, 0)}
+    finally:
+        stop.set()
+        server.join()
+        sub.stop()
+        pub.close()
+
+
+def _stored_page(hashes: list[int], i: int) -> BlockStored:
+    return BlockStored(block_hashes=[hashes[i]], parent_block_hash=hashes[i - 1] if i else None,
+                       token_ids=[1] * PAGE, block_size=PAGE)
