@@ -37,7 +37,7 @@ A batch lost at the end of a burst shows as a gap only when a later batch (or a 
 catch-up replay, ``KVEventSubscriber``) arrives; until then the index may be behind the worker.
 
 Memory: at most ``max_pages`` page entries over all workers (about 170 bytes each with CPython
-3.12: the hash, its parent link and the LRU order; test_routing_index.py measures it); beyond it
+3.11: the hash, its parent link and the LRU order; test_routing_index.py measures it); beyond it
 the least recently stored or matched entry of the biggest worker is dropped (an under-report
 again). Not thread-safe: callers serialize ``apply*`` and ``match`` (``KVEventSubscriber.lock``).
 """
@@ -60,7 +60,7 @@ from engine.events import (
     SwaCheckpointStored,
 )
 
-DEFAULT_MAX_PAGES = 4_000_000
+DEFAULT_MAX_PAGES = 1_000_000  # ~170 MB; 16M tokens at 16 tokens a page
 MAX_PENDING_BATCHES = 10_000  # live batches held while a replay fills the gap before them
 
 
