@@ -78,7 +78,10 @@ class _Driver:
                 self.cache.unpin(req.swa_pinned.pop(0), full=False, swa=True)
         return req
 
-    def finish(self, req: _Running, checkpoint: bool) -> None:
+    def finish(self, req: _Running, checkpoint: bool, periodic: bool = False) -> None:
+        if periodic:  # speculative points every 2 pages (engine checkpoint_interval_tokens)
+            for n in req.path[1::2]:
+                self.cache.mark_checkpoint(n, periodic=True)
         if checkpoint and req.path:
             self.cache.mark_checkpoint(req.path[-1])
         for n in req.swa_pinned:
@@ -127,10 +130,10 @@ class IndexMachine(RuleBasedStateMachine):
         self._publish()
 
     @precondition(lambda self: self.running)
-    @rule(data=st.data(), checkpoint=st.booleans())
-    def finish(self, data: st.DataObject, checkpoint: bool) -> None:
+    @rule(data=st.data(), checkpoint=st.booleans(), periodic=st.booleans())
+    def finish(self, data: st.DataObject, checkpoint: bool, periodic: bool) -> None:
         req = self.running.pop(data.draw(st.integers(0, len(self.running) - 1)))
-        self.driver.finish(req, checkpoint)
+        self.driver.finish(req, checkpoint, periodic)
         self._publish()
 
     @precondition(lambda self: self.cache is not None)
@@ -140,7 +143,8 @@ class IndexMachine(RuleBasedStateMachine):
         for tokens in prompts:
             hashes = page_hashes(tokens, PAGE)
             self.prompts.append(hashes)
-            self.driver.finish(self.driver.start(hashes, len(hashes)), checkpoint=True)
+            req = self.driver.start(hashes, len(hashes))
+            self.driver.finish(req, checkpoint=True, periodic=len(hashes) % 2 == 0)
             self._publish()
 
     @precondition(lambda self: self.cache is not None)
