@@ -7,7 +7,7 @@ tokenizer, then per request compute which tokens may come next and advance with 
       in estimated bytes                         is_terminated: an EOS the grammar accepted
 
 ``GrammarCompiler.compile`` is safe from any thread (llguidance releases the GIL while it
-compiles, so the worker compiles on ``engine.grammar_jobs`` threads); the cache methods
+compiles, so the worker compiles on ``engine.worker.grammar_jobs`` threads); the cache methods
 (``cached``, ``add``, ``matcher``) belong to one thread, the engine's.
 
 NOTE (state): a matcher has consumed exactly its request's ``output_ids``. Preemption keeps the

@@ -1,6 +1,6 @@
 """The one log format of every agentgate process (gateway and workers), configured here only.
 
-    2026-01-01 12:00:00,000 INFO [worker w0] engine.worker_cli: worker w0 listening on ...
+    2026-01-01 12:00:00,000 INFO [worker w0] engine.worker.cli: worker w0 listening on ...
 
 The role in brackets tells whose line it is once ``agentgate serve`` has merged its workers'
 stderr into its own. It lives in ``engine`` because the worker may not import ``gateway``.

@@ -34,7 +34,7 @@ class CliError(Exception):
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
-    # NOTE: `worker` forwards its flags to engine.worker_cli (defined there, parsed there), so they
+    # NOTE: `worker` forwards its flags to engine.worker.cli (defined there, parsed there), so they
     # are only known after the engine is imported: collect them as extras.
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "forward_args", False):
@@ -122,7 +122,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from engine.worker_cli import main as worker_main
+    from engine.worker.cli import main as worker_main
 
     return worker_main(args.extra, prog="agentgate worker")
 
@@ -140,7 +140,7 @@ def serve_kwargs(args: argparse.Namespace, env: Mapping[str, str] | None = None
                  ) -> dict[str, Any]:
     """``gateway.serve.serve``'s arguments from ``agentgate serve``'s flags and ``env`` (the
     process environment by default: the one place the gateway's variables are read)."""
-    from engine.worker_cli import engine_argv
+    from engine.worker.cli import engine_argv
     from gateway.http_server import HttpLimits
     from gateway.tenant_secret import default_secret_path, load_tenant_secret
 
@@ -206,7 +206,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
-    from engine.worker_cli import add_engine_arguments
+    from engine.worker.cli import add_engine_arguments
 
     add = serve.add_argument
     add("--model", help="model directory (default: the demo model)")

@@ -54,7 +54,7 @@ def serve(
         num_workers: workers to spawn (may be 0 when ``attach`` names workers started elsewhere).
         redis_url: the session store (checked first: an unreachable Redis is a ``ServeError``);
             None keeps sessions in memory.
-        worker_args: extra flags for every spawned worker (``engine.worker_cli.engine_argv``).
+        worker_args: extra flags for every spawned worker (``engine.worker.cli.engine_argv``).
         limits: the HTTP server's timeouts, connection cap and drain timeout.
         gateway_options: more ``GatewayConfig`` fields (timeouts, model names, CORS, secret).
 

@@ -65,7 +65,7 @@ def spawn_worker(
         die_with_parent: the worker stops when this process dies (``--parent-pid``), and runs in
             its own session, so a terminal's Ctrl-C reaches only this process, which drains
             before it stops the workers. Spawn such workers only from a thread that outlives
-            them (see ``engine.worker_cli._die_with_parent``).
+            them (see ``engine.worker.cli._die_with_parent``).
         cancel: give up (ServeError) as soon as it is set.
 
     Raises:

@@ -263,7 +263,11 @@ class Ctx:
 # so that a replacement binds the old worker's port within ~1 s of the kill (item 9).
 _STANDBY_WORKER = """
 import pathlib, runpy, sys, time
-import engine.worker, engine.sim
+import engine.sim
+try:  # NOTE: engine/worker/ (a package) since issue 9; before that the module engine/worker.py
+    import engine.worker.server
+except ImportError:
+    import engine.worker
 trigger = pathlib.Path(sys.argv[1])
 while not trigger.exists():
     time.sleep(0.01)

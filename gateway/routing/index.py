@@ -1,4 +1,5 @@
-"""KV index: which worker holds which pages, rebuilt from the workers' KV events (engine.events).
+"""KV index: which worker holds which pages, rebuilt from the workers' KV events
+(engine.worker.events).
 
 Per worker the index keeps the page hashes whose full KV is cached, and which of them end a live
 SWA checkpoint. ``match`` answers, per worker, the raw full-KV match of a hash chain and the
@@ -49,7 +50,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from engine.events import (
+from engine.worker.events import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,

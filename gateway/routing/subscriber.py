@@ -15,14 +15,14 @@ from typing import Any
 
 import zmq
 
-from engine.events import END_SEQ, EventDecodeError, KVEventBatch, decode_batch
 from engine.protocol import LoadReport, decode_worker
+from engine.worker.events import END_SEQ, EventDecodeError, KVEventBatch, decode_batch
 from gateway.routing.index import KVIndex
 
 logger = logging.getLogger(__name__)
 
 _SEQ_BYTES = 8
-# NOTE: engine.worker_events.KV_TOPIC / LOAD_TOPIC; that module imports the engine (torch)
+# NOTE: engine.worker.publisher.KV_TOPIC / LOAD_TOPIC; that module imports the engine (torch)
 _KV = b"kv"
 _LOAD = b"load"
 

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import zmq
 
-from engine.events import (
+from engine.worker.events import (
     END_SEQ,
     AllBlocksCleared,
     BlockRemoved,

@@ -18,11 +18,11 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.grammar import GrammarCompiler
-from engine.grammar_jobs import GrammarJobs
 from engine.models.checkpoint import DEMO_CONFIG
 from engine.protocol import Abort, Finished, GetLoad, LoadReport
 from engine.sampling_params import StructuredSpec
-from engine.worker import WorkerConfig
+from engine.worker.config import WorkerConfig
+from engine.worker.grammar_jobs import GrammarJobs
 from gateway.serve import WorkerProcess, spawn_worker
 from gateway.tokenizer import write_demo_tokenizer
 from tests.engine.worker_harness import (

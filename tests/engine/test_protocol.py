@@ -275,7 +275,7 @@ def test_to_params_validation_errors_propagate(field: str, value: object) -> Non
 
 def test_wire_modules_do_not_import_torch() -> None:
     code = (
-        "import sys, engine.protocol, engine.events, engine.hashing; "
+        "import sys, engine.protocol, engine.worker.events, engine.hashing; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     result = subprocess.run(

@@ -7,17 +7,17 @@
 
 from __future__ import annotations
 
-from engine.events import (
+from engine.hashing import page_hashes
+from engine.kv.prefix_cache import CacheEvent
+from engine.protocol import Abort, Flush, GetLoad, LoadReport
+from engine.worker.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     SwaCheckpointDropped,
     SwaCheckpointStored,
 )
-from engine.hashing import page_hashes
-from engine.kv.prefix_cache import CacheEvent
-from engine.protocol import Abort, Flush, GetLoad, LoadReport
-from engine.worker_events import KVEventBuffer
+from engine.worker.publisher import KVEventBuffer
 from tests.engine.worker_harness import (
     PAGE,
     WINDOW,

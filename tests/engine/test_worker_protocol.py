@@ -14,10 +14,10 @@ import msgspec
 import pytest
 
 from engine.config import EngineConfig
-from engine.events import BlockStored, EventSubscriber
 from engine.hashing import page_hashes
 from engine.protocol import PROTOCOL_VERSION, Abort, GetLoad, Hello, LoadReport, Welcome
 from engine.sequence import Sequence
+from engine.worker.events import BlockStored, EventSubscriber
 from tests.engine.worker_harness import (
     PAGE,
     VOCAB,

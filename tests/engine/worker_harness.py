@@ -22,7 +22,6 @@ import pytest
 import zmq
 
 from engine.config import EngineConfig
-from engine.events import KVEvent, decode_batch
 from engine.protocol import (
     ErrorReply,
     Finished,
@@ -34,7 +33,8 @@ from engine.protocol import (
     decode_worker,
     encode,
 )
-from engine.worker import Worker, WorkerConfig
+from engine.worker.events import KVEvent, decode_batch
+from engine.worker.server import Worker, WorkerConfig
 from gateway.serve import START_LINE, WorkerProcess, spawn_worker
 
 ROOT = Path(__file__).resolve().parents[2]

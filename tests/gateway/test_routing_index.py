@@ -5,7 +5,8 @@ from __future__ import annotations
 import gc
 import tracemalloc
 
-from engine.events import (
+from engine.hashing import page_hashes
+from engine.worker.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -16,7 +17,6 @@ from engine.events import (
     decode_batch,
     encode_batch,
 )
-from engine.hashing import page_hashes
 from gateway.routing import KVIndex, MatchResult
 
 PAGE = 4

@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
-from engine.events import BlockStored, EventPublisher
 from engine.hashing import page_hashes
 from engine.protocol import ErrorReply, Finished, Generate, SamplingSpec, decode_worker, encode
+from engine.worker.events import BlockStored, EventPublisher
 from gateway.routing import KVEventSubscriber, KVIndex, MatchResult
 from gateway.serve import ServeError, WorkerProcess, spawn_worker
 from tests.gateway.live import WORKER_START_TIMEOUT_S, free_port

@@ -14,12 +14,12 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.events import SWA_EXTENSION_EVENTS, KVEventBatch, decode_batch, encode_batch
 from engine.hashing import page_hashes
 from engine.kv.allocator import PageAllocator
 from engine.kv.layout import KVLayout, PageKind
 from engine.kv.prefix_cache import Node, PrefixCache
-from engine.worker_events import KVEventBuffer
+from engine.worker.events import SWA_EXTENSION_EVENTS, KVEventBatch, decode_batch, encode_batch
+from engine.worker.publisher import KVEventBuffer
 from gateway.routing import KVIndex, MatchResult
 
 PAGE = 4

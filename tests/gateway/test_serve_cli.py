@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import worker_cli
+from engine.worker import cli as worker_cli
 from gateway.cli import _build_parser, serve_kwargs
 from gateway.supervisor import RESTART_INITIAL_S, RESTART_MAX_S, restart_delay_s
 from gateway.tenant_secret import SECRET_BYTES, TenantSecretError, load_tenant_secret
@@ -81,7 +81,7 @@ def test_help_shows_defaults() -> None:
 
 
 def test_cost_choices_match_the_engine() -> None:
-    from engine.worker import COSTS
+    from engine.worker.server import COSTS
 
     assert worker_cli.COSTS == COSTS
 
@@ -167,7 +167,7 @@ def test_sim_fleet_with_worker_flags_starts_and_logs_in_one_format(
 def test_parent_watch_thread_notices_a_killed_parent(tmp_path: Path) -> None:
     """The portable fallback of ``--parent-pid`` on its own (no prctl): a grandchild watching
     its parent exits once that parent is SIGKILLed."""
-    child = ("import os, sys, threading; from engine.worker_cli import watch_parent; "
+    child = ("import os, sys, threading; from engine.worker.cli import watch_parent; "
              "gone = threading.Event(); watch_parent(os.getppid(), gone.set); "
              "print(os.getpid(), flush=True); sys.exit(0 if gone.wait(60) else 1)")
     parent = ("import subprocess, sys, time; "

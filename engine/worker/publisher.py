@@ -6,16 +6,16 @@ The PUB socket carries KV events (topic ``b"kv"``) and load reports (topic ``b"l
 
 Topics (SUB sockets filter on the prefix, so subscribe to exactly one of them):
 
-    b"kv"    [b"kv", seq (u64 BE), msgpack [ts, [event, ...], dp_rank]]   engine.events format
-    b"load"  [b"load", seq (u64 BE), msgpack LoadReport]                   engine.protocol type
+    b"kv"    [b"kv", seq (u64 BE), msgpack [ts, [event, ...], dp_rank]]   engine.worker.events
+    b"load"  [b"load", seq (u64 BE), msgpack LoadReport]                   engine.protocol
 
 The two topics count their ``seq`` separately, so a KV event subscriber (``EventSubscriber(...,
 topic="kv")``) sees no gaps caused by load reports. A subscriber to ``""`` gets both and must
 dispatch on the first frame.
 
 ``KVEventBuffer`` collects the prefix cache's ``CacheEvent``s during a step and turns them into
-``engine.events`` types, merging consecutive events of one kind where the merged event means the
-same (``BlockStored`` only when the pages chain).
+``engine.worker.events`` types, merging consecutive events of one kind where the merged event
+means the same (``BlockStored`` only when the pages chain).
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ from typing import Any, cast
 import zmq
 
 from engine.engine import EngineStats
-from engine.events import (
+from engine.kv.prefix_cache import CacheEvent
+from engine.protocol import ErrorReply, Finished, FinishReason, LoadReport, TokenDelta, encode
+from engine.sequence import Sequence
+from engine.worker.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -37,9 +40,6 @@ from engine.events import (
     SwaCheckpointDropped,
     SwaCheckpointStored,
 )
-from engine.kv.prefix_cache import CacheEvent
-from engine.protocol import ErrorReply, Finished, FinishReason, LoadReport, TokenDelta, encode
-from engine.sequence import Sequence
 
 KV_TOPIC = "kv"
 LOAD_TOPIC = "load"

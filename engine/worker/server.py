@@ -3,7 +3,7 @@
     python -m engine.worker --listen tcp://127.0.0.1:5555 --events tcp://127.0.0.1:5556 \\
         [--model DIR] [--backend native|sim] [--replay tcp://...] [...]   (see --help)
 
-The command line (flags, signals, the start line) is ``engine.worker_cli``.
+The command line (flags, signals, the start line) is ``engine.worker.cli``.
 
 Clients are DEALER sockets sending single-frame ``engine.protocol`` messages; every reply goes to
 the identity that sent the message. Message flow:
@@ -29,7 +29,7 @@ the identity that sent the message. Message flow:
 - ``GetLoad`` -> ``LoadReport``; ``Flush`` drops the prefix cache, then -> ``LoadReport``.
 - Anything that does not decode -> ``ErrorReply(None, "bad_message")``; the worker keeps serving.
 
-Grammars compile on their own threads (``engine.grammar_jobs``): a request waits unscheduled
+Grammars compile on their own threads (``engine.worker.grammar_jobs``): a request waits unscheduled
 until its grammar is ready, while the loop goes on stepping and answering.
 
 Request ids are scoped by client: two clients may both run a request "r1". A client that has sent
@@ -38,7 +38,7 @@ are aborted (a ``Finished("abort")`` is still sent, in case it only stopped talk
 
 The PUB socket (``--events``) carries KV events under topic ``b"kv"`` once per engine step and a
 ``LoadReport`` under ``b"load"`` about every second (every 100 ms at most while stepping); see
-``engine.worker_events``. With ``--backend sim`` each step's results are released after the cost
+``engine.worker.publisher``. With ``--backend sim`` each step's results are released after the cost
 model's step time (``--cost``), so a sim worker paces like a real one (``--cost zero``: flat out).
 """
 
@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import sys
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -58,7 +57,6 @@ import zmq
 from engine.config import EngineConfig
 from engine.engine import ContextTooLong, Engine
 from engine.grammar import GrammarError, GrammarMatcher, spec_bytes
-from engine.grammar_jobs import Failed, GrammarJobs
 from engine.model_config import ModelConfig
 from engine.protocol import (
     PROTOCOL_VERSION,
@@ -81,11 +79,12 @@ from engine.protocol import (
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Overloaded
 from engine.sequence import Sequence
-from engine.worker_clients import ClientWatch
-from engine.worker_config import COSTS, MAX_STREAM_INTERVAL_S, WorkerConfig
-from engine.worker_events import KVEventBuffer, RequestStream, WorkerPublisher, load_report
+from engine.worker.clients import ClientWatch
+from engine.worker.config import COSTS, MAX_STREAM_INTERVAL_S, WorkerConfig
+from engine.worker.grammar_jobs import Failed, GrammarJobs
+from engine.worker.publisher import KVEventBuffer, RequestStream, WorkerPublisher, load_report
 
-__all__ = ["COSTS", "Worker", "WorkerConfig"]  # NOTE: the config lives in engine.worker_config
+__all__ = ["COSTS", "Worker", "WorkerConfig"]  # NOTE: the config lives in engine.worker.config
 
 logger = logging.getLogger(__name__)
 
@@ -505,8 +504,3 @@ def _any_port(endpoint: str) -> str:
         return endpoint[:-2] + ":*"
     return endpoint
 
-
-if __name__ == "__main__":
-    from engine.worker_cli import main  # NOTE: imported here only: worker_cli imports this module
-
-    sys.exit(main(prog="python -m engine.worker"))

@@ -27,7 +27,7 @@ class WorkerConfig:
         max_grammar_bytes: the largest ``json_schema``/``lark`` text accepted (UTF-8 bytes);
             compile time grows faster than linearly with it.
         grammar_threads: grammar compiles running at once for requests that wait on them
-            (``engine.grammar_jobs``).
+            (``engine.worker.grammar_jobs``).
         grammar_cache_bytes: the compiled-grammar cache's bound (estimated bytes).
         max_compiling_requests: requests waiting for their grammar at most (then overloaded).
         client_timeout_s: a client silent this long is gone and its requests are aborted.

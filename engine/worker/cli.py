@@ -30,8 +30,8 @@ import zmq
 
 from engine.logs import configure_logging
 
-# NOTE: engine.worker.COSTS (engine.sim.COST_PRESETS), repeated so that the flags stay torch-free;
-# tests/gateway/test_cli.py checks that the two agree.
+# NOTE: engine.worker.config.COSTS (engine.sim.COST_PRESETS), repeated so that the flags stay
+# torch-free; tests/gateway/test_serve_cli.py checks that the two agree.
 COSTS = ("cpu", "h200", "zero")
 PARENT_POLL_S = 0.5
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
             logger.warning("parent process %d is gone before the start", args.parent_pid)
             return 0
     from engine.config import EngineConfig
-    from engine.worker import Worker, WorkerConfig
+    from engine.worker.server import Worker, WorkerConfig
 
     engine_cfg = EngineConfig.from_env(
         model_path=args.model, backend=args.backend, page_size=args.page_size,
@@ -147,9 +147,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
-    import engine.worker
+    from engine.worker import server
 
-    description = (engine.worker.__doc__ or "").split("\n\n")[0]
+    description = (server.__doc__ or "").split("\n\n")[0]
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_arguments(parser)
     args = parser.parse_args(argv)

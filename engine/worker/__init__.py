@@ -1,0 +1,13 @@
+"""The engine worker process: one ``Engine`` behind ZeroMQ (``python -m engine.worker``).
+
+    server.py        the ``Worker``: the ROUTER request loop around an ``Engine``
+    cli.py           the command line (flags, signals, the start line); torch-free until ``run``
+    config.py        ``WorkerConfig``, the worker's own settings
+    clients.py       ``ClientWatch``: which clients are still there
+    grammar_jobs.py  grammar compiles on their own threads
+    publisher.py     what the worker sends: reply streams, KV events, load reports
+    events.py        the KV event wire types and their PUB/SUB transport (imported by the gateway)
+
+NOTE: nothing is imported here, so that the gateway can import ``engine.worker.events`` without
+torch; import the submodules directly.
+"""
