@@ -323,7 +323,9 @@ class PrefixCache:
         before = len(self._index)
         while self._evict_one(ignore_retention=True):
             pass
-        if self.enabled:
+        # NOTE: each removal was announced; "cleared" only when nothing is left, as pages pinned
+        # by running requests stay, and a router's index must not forget them
+        if self.enabled and not self._index:
             self._emit("cleared", None)
         return before - len(self._index)
 

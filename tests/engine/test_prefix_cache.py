@@ -306,6 +306,24 @@ def test_events_announce_pages_and_checkpoints() -> None:
     assert "ckpt_dropped" in kinds and kinds.count("removed") == 3 and kinds[-1] == "cleared"
 
 
+def test_flush_under_a_running_request_announces_each_removal_not_a_clear() -> None:
+    """Pages a running request pins stay through a flush: an ``AllBlocksCleared`` would make a
+    router's index forget pages the worker still holds, so only the removals are announced."""
+    cache = _make_cache(window=8, num_chunks=64)
+    _run(cache, _seq(1, 3))  # finished: cached and unpinned
+    driver = _Driver(cache, {})
+    tokens = _seq(2, 3)
+    running = driver.start(tokens)
+    assert driver.compute(running, len(tokens)) >= 0  # computed, still running: pinned
+    first = len(cache.events)
+    cache.flush()
+    kinds = [e.kind for e in cache.events[first:]]
+    assert "cleared" not in kinds and kinds.count("removed") == 3, kinds
+    announced = {e.page_hash for e in cache.events if e.kind == "stored"}
+    announced -= {e.page_hash for e in cache.events if e.kind == "removed"}
+    assert announced == {n.page_hash for n in cache.nodes()} != set()
+
+
 @pytest.mark.parametrize("window", [1, 4, 5, 8])
 def test_window_safe_boundary(window: int) -> None:
     """Usable needs live SWA for exactly the ceil(W / page) pages before the resume point."""
