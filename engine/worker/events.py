@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 MEDIUM_GPU = "GPU"
 END_SEQ = -1
-_SEQ_BYTES = 8
+SEQ_BYTES = 8  # NOTE: a message's seq frame: 8-byte big-endian
 
 
 class BlockStored(msgspec.Struct, tag=True, tag_field="type", frozen=True, kw_only=True, gc=False):
@@ -258,7 +258,7 @@ class EventPublisher:
 
     def _answer_replay(self, frames: list[bytes]) -> int:
         assert self._replay is not None
-        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != _SEQ_BYTES:
+        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != SEQ_BYTES:
             logger.warning("ignoring malformed KV event replay request: %d frames", len(frames))
             return 0
         identity, start_seq = frames[0], int.from_bytes(frames[2], "big")
@@ -310,7 +310,7 @@ class EventSubscriber:
         if not self._sub.poll(int(timeout_s * 1000)):
             return None
         frames = self._sub.recv_multipart()
-        if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
+        if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
             raise EventDecodeError(f"KV event message has {len(frames)} frames, expected 3")
         seq = int.from_bytes(frames[1], "big")
         if self.last_seq is not None and seq > self.last_seq + 1:
@@ -330,14 +330,7 @@ class EventSubscriber:
         """
         if self._replay_endpoint is None:
             raise RuntimeError("EventSubscriber.replay needs a replay_endpoint")
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        try:
-            dealer.connect(self._replay_endpoint)
-            dealer.send_multipart([b"", _seq_bytes(start_seq)])
-            return _collect_replay(dealer, time.monotonic() + timeout_s)
-        finally:
-            dealer.close(linger=0)
+        return request_replay(self._ctx, self._replay_endpoint, start_seq, timeout_s)
 
     def close(self) -> None:
         self._sub.close(linger=0)
@@ -372,13 +365,33 @@ def _decode_event(raw: msgspec.Raw) -> KVEvent | None:
         raise EventDecodeError(f"invalid KV event: {exc}") from None
 
 
+def request_replay(
+    context: zmq.Context[Any], endpoint: str, start_seq: int, timeout_s: float
+) -> list[tuple[int, KVEventBatch]]:
+    """The batches with ``seq >= start_seq`` that the publisher at ``endpoint`` (its replay
+    socket) still buffers, oldest first; see ``EventSubscriber.replay``.
+
+    Raises:
+        TimeoutError: the publisher did not finish answering within ``timeout_s``.
+        EventDecodeError: a replayed message is malformed.
+    """
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(endpoint)
+        dealer.send_multipart([b"", _seq_bytes(start_seq)])
+        return _collect_replay(dealer, time.monotonic() + timeout_s)
+    finally:
+        dealer.close(linger=0)
+
+
 def _collect_replay(dealer: zmq.Socket[bytes], deadline: float) -> list[tuple[int, KVEventBatch]]:
     batches = []
     while (left_s := deadline - time.monotonic()) > 0:
         if not dealer.poll(max(1, int(left_s * 1000))):
             break
         frames = dealer.recv_multipart()
-        if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
+        if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
             raise EventDecodeError(f"KV event replay message has {len(frames)} frames, expected 3")
         seq = int.from_bytes(frames[1], "big", signed=True)
         if seq == END_SEQ:
@@ -392,7 +405,7 @@ def _is_extension(event: KVEvent) -> bool:
 
 
 def _seq_bytes(seq: int) -> bytes:
-    return seq.to_bytes(_SEQ_BYTES, "big", signed=True)
+    return seq.to_bytes(SEQ_BYTES, "big", signed=True)
 
 
 def _bound_socket(

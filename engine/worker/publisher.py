@@ -32,6 +32,7 @@ from engine.kv.prefix_cache import CacheEvent
 from engine.protocol import ErrorReply, Finished, FinishReason, LoadReport, TokenDelta, encode
 from engine.sequence import Sequence
 from engine.worker.events import (
+    SEQ_BYTES,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -43,7 +44,6 @@ from engine.worker.events import (
 
 KV_TOPIC = "kv"
 LOAD_TOPIC = "load"
-_SEQ_BYTES = 8
 
 
 @dataclass(slots=True)
@@ -135,7 +135,7 @@ class WorkerPublisher(EventPublisher):
 
     def publish_load(self, report: LoadReport) -> None:
         """Send one load report; dropped (never blocks) when subscribers are slow or absent."""
-        seq = self._load_seq.to_bytes(_SEQ_BYTES, "big")
+        seq = self._load_seq.to_bytes(SEQ_BYTES, "big")
         self._load_seq += 1
         # NOTE: the PUB socket is the base class's; a public "send under another topic" method on
         # EventPublisher would be cleaner (events.py is not this module's).

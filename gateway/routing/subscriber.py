@@ -16,12 +16,17 @@ from typing import Any
 import zmq
 
 from engine.protocol import LoadReport, decode_worker
-from engine.worker.events import END_SEQ, EventDecodeError, KVEventBatch, decode_batch
+from engine.worker.events import (
+    SEQ_BYTES,
+    EventDecodeError,
+    KVEventBatch,
+    decode_batch,
+    request_replay,
+)
 from gateway.routing.index import KVIndex
 
 logger = logging.getLogger(__name__)
 
-_SEQ_BYTES = 8
 # NOTE: engine.worker.publisher.KV_TOPIC / LOAD_TOPIC; that module imports the engine (torch)
 _KV = b"kv"
 _LOAD = b"load"
@@ -103,7 +108,7 @@ class KVEventSubscriber:
         if not self._sub.poll(int(timeout_s * 1000)):
             return False
         frames = self._sub.recv_multipart()
-        if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
+        if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
             logger.warning("worker %s: KV event message of %d frames", self.worker_id, len(frames))
             return True
         topic, seq = frames[0], int.from_bytes(frames[1], "big")
@@ -172,33 +177,14 @@ class KVEventSubscriber:
     def _replay(self, start_seq: int) -> list[tuple[int, KVEventBatch]] | None:
         if self._replay_endpoint is None:
             return None
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
         try:
-            dealer.connect(self._replay_endpoint)
-            dealer.send_multipart([b"", start_seq.to_bytes(_SEQ_BYTES, "big", signed=True)])
-            return _collect(dealer, time.monotonic() + self._replay_timeout_s)
+            return request_replay(self._ctx, self._replay_endpoint, start_seq,
+                                  self._replay_timeout_s)
         except (TimeoutError, EventDecodeError) as exc:
             logger.warning("worker %s: KV event replay failed: %s", self.worker_id, exc)
             return None
-        finally:
-            dealer.close(linger=0)
 
     def _next_seq(self) -> int:
         with self.lock:
             return self.index.next_seq(self.worker_id)
 
-
-def _collect(dealer: zmq.Socket[bytes], deadline: float) -> list[tuple[int, KVEventBatch]]:
-    batches = []
-    while (left_s := deadline - time.monotonic()) > 0:
-        if not dealer.poll(max(1, int(left_s * 1000))):
-            break
-        frames = dealer.recv_multipart()
-        if len(frames) != 3 or len(frames[1]) != _SEQ_BYTES:
-            raise EventDecodeError(f"KV event replay message has {len(frames)} frames")
-        seq = int.from_bytes(frames[1], "big", signed=True)
-        if seq == END_SEQ:
-            return batches
-        batches.append((seq, decode_batch(frames[2])))
-    raise TimeoutError(f"KV event replay incomplete after {len(batches)} batches")
