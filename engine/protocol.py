@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
+from engine.cost import CostModel
 from engine.sampling_params import StructuredSpec
 
 if TYPE_CHECKING:
@@ -25,8 +26,10 @@ if TYPE_CHECKING:
 
 # NOTE: 2 added SamplingSpec.structured: a version-1 worker would silently ignore the grammar
 # (msgspec skips unknown fields), so the handshake must refuse the pair. 3 added
-# SamplingSpec.repetition_penalty / logit_bias (same reason) and the worker's instance_id.
-PROTOCOL_VERSION = 3
+# SamplingSpec.repetition_penalty / logit_bias (same reason) and the worker's instance_id. 4 added
+# Retain (a version-3 worker would answer it "bad_message") and Welcome's cost model, step token
+# budget and event endpoints, which the router needs.
+PROTOCOL_VERSION = 4
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 ErrorCode = Literal[
@@ -135,6 +138,19 @@ class Abort(msgspec.Struct, tag="abort", frozen=True, kw_only=True):
     request_id: str
 
 
+class Retain(msgspec.Struct, tag="retain", frozen=True, kw_only=True):
+    """Keep the SWA checkpoint at the end of a finished request for ``ttl_s`` more seconds (a
+    session paused in a tool call resumes from it); ``ttl_s=0`` releases it. No reply.
+
+    The worker remembers the ends of its recently finished requests (a bounded map); a
+    ``request_id`` it no longer knows, or whose pages are gone, is ignored. Retention is a hint:
+    when nothing else is left to evict, retained pages go too.
+    """
+
+    request_id: str
+    ttl_s: float
+
+
 class GetLoad(msgspec.Struct, tag="get_load", frozen=True, kw_only=True):
     """Ask for one ``LoadReport``."""
 
@@ -143,7 +159,7 @@ class Flush(msgspec.Struct, tag="flush", frozen=True, kw_only=True):
     """Drop the prefix cache (running requests keep their KV); answered by a ``LoadReport``."""
 
 
-ClientMsg = Hello | Generate | Abort | GetLoad | Flush
+ClientMsg = Hello | Generate | Abort | Retain | GetLoad | Flush
 
 
 # --- worker -> gateway -----------------------------------------------------------------------
@@ -157,6 +173,12 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True, kw_only=True):
         max_context: the most tokens (prompt + output) one request may hold.
         instance_id: new each time the worker process starts; a client that sees another one on
             the same endpoint (a restart it did not notice) fails or retries its old requests.
+        cost: the worker's step cost model (``engine.cost``), which the router predicts time to
+            first token with; None when the worker does not know its own.
+        max_batched_tokens: the worker's token budget per step (prefill chunks + decodes).
+        events_endpoint: the PUB endpoint of its KV events and load reports, as bound (a
+            wildcard host such as ``0.0.0.0`` means "the host you connected to").
+        replay_endpoint: the ROUTER endpoint that replays missed KV event batches; None if none.
     """
 
     version: int
@@ -166,6 +188,10 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True, kw_only=True):
     page_size: int
     sliding_window: int | None
     max_context: int
+    cost: CostModel | None = None
+    max_batched_tokens: int = 0
+    events_endpoint: str | None = None
+    replay_endpoint: str | None = None
 
 
 class TokenDelta(msgspec.Struct, tag="token_delta", frozen=True, kw_only=True):
@@ -221,6 +247,10 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True, kw_only=True):
         used_bytes, total_bytes: the KV byte budget and what of it is in use (cache included).
         cached_pages: pages held by the prefix cache and not locked by a running request.
         instance_id: as in ``Welcome`` (heartbeats answer with a ``LoadReport``).
+        retained_pages: pages (full + SWA) held only because a ``Retain`` or ``retain_ttl_s``
+            protects them.
+        retains_expired: retained checkpoints whose TTL ran out before a request used them
+            (a count since the worker started).
     """
 
     worker_id: str
@@ -232,6 +262,8 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True, kw_only=True):
     used_bytes: int
     total_bytes: int
     cached_pages: int
+    retained_pages: int = 0
+    retains_expired: int = 0
 
 
 WorkerMsg = Welcome | TokenDelta | Finished | ErrorReply | LoadReport

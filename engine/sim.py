@@ -1,9 +1,7 @@
 """The "sim" backend: the real scheduler, pools and prefix cache; the forward is a cost model.
 
-No tensors, so a laptop can replay a production trace against many workers. Step time is
-
-    t = step_overhead_s + prefill_s_per_token * prefill tokens
-        + decode_s_per_token * decode tokens + attn_s_per_qk * (query, key) pairs attended
+No tensors, so a laptop can replay a production trace against many workers. Step time comes from
+``engine.cost.CostModel`` (re-exported here with its presets).
 
 Sampled tokens are a deterministic function of (request id, position), never a stop token, so a
 request runs to ``max_new_tokens`` (trace replays set it to the recorded output length); with a
@@ -24,41 +22,19 @@ import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from engine.cost import COST_PRESETS, H200_COST, ZERO_COST, CostModel
 from engine.kv.paged import SeqPages
 from engine.sampler import SampleOutput, apply_logit_bias, filtered_probs
 from engine.scheduler import Scheduled
 from engine.sequence import Sequence as SeqState
 
-
-@dataclass(frozen=True, slots=True)
-class CostModel:
-    """Seconds per step. Defaults: fitted to the native backend on the demo model, CPU, one thread
-    (``python loadtest/calibrate_sim.py``: 148 steps, 11% total error, 6% median per step)."""
-
-    step_overhead_s: float = 4.4e-3
-    prefill_s_per_token: float = 3.6e-5
-    decode_s_per_token: float = 1.31e-4
-    attn_s_per_qk: float = 3.0e-7
-
-    def step_time(self, prefill_tokens: int, decode_tokens: int, qk_pairs: int) -> float:
-        return (self.step_overhead_s + self.prefill_s_per_token * prefill_tokens
-                + self.decode_s_per_token * decode_tokens
-                + self.attn_s_per_qk * qk_pairs)
+__all__ = ["COST_PRESETS", "H200_COST", "ZERO_COST", "CostModel", "SimRunner"]
 
 
-# An H200-class node serving MiMo-V2-Flash (DP 2 x TP 4). Decode: SGLang's day-0 blog reports
-# ~150 tok/s per request at 16 requests per DP rank with MTP accept length 3.6 (16k-64k inputs),
-# i.e. ~24 ms per step: 20 ms fixed + 0.25 ms per request. Prefill: 20k tok/s per rank is an
-# assumption (the blog's prefill figures are only in a chart). SWA keeps attention nearly flat.
-H200_COST = CostModel(step_overhead_s=2.0e-2, prefill_s_per_token=5e-5, decode_s_per_token=2.5e-4,
-                      attn_s_per_qk=2e-11)
-ZERO_COST = CostModel(0.0, 0.0, 0.0, 0.0)
-COST_PRESETS = {"cpu": CostModel(), "h200": H200_COST, "zero": ZERO_COST}
 _MAX_PROMPT_DIGESTS = 4096
 
 

@@ -55,6 +55,7 @@ from typing import Any
 import zmq
 
 from engine.config import EngineConfig
+from engine.cost import COST_PRESETS
 from engine.engine import ContextTooLong, Engine
 from engine.grammar import GrammarError, GrammarMatcher, spec_bytes
 from engine.model_config import ModelConfig
@@ -71,6 +72,7 @@ from engine.protocol import (
     Hello,
     LoadReport,
     ProtocolError,
+    Retain,
     Welcome,
     WorkerMsg,
     decode_client,
@@ -116,6 +118,7 @@ class Worker:
         self._ctx = context or zmq.Context.instance()
         self._init_engine(engine_cfg, model_config)
         self._init_sockets()
+        self._welcome = self._make_welcome()
         self._requests: dict[str, RequestStream] = {}  # by engine request id
         self._compiling: dict[str, _Compiling] = {}  # by engine request id
         # NOTE: (identity, request_id) -> engine id, for requests in either dict above
@@ -159,11 +162,7 @@ class Worker:
 
     def _init_engine(self, engine_cfg: EngineConfig, model_config: ModelConfig | None) -> None:
         model_config = model_config or _model_config(engine_cfg)
-        cost = None
-        if engine_cfg.backend == "sim":
-            from engine.sim import COST_PRESETS
-
-            cost = COST_PRESETS[self.cfg.cost]
+        cost = COST_PRESETS[self.cfg.cost] if engine_cfg.backend == "sim" else None
         self._kv_events = KVEventBuffer(engine_cfg.page_size, model_config.sliding_window)
         self.engine = Engine(engine_cfg, model_config, on_cache_event=self._kv_events.add,
                              cost=cost, grammar_cache_bytes=self.cfg.grammar_cache_bytes)
@@ -172,7 +171,6 @@ class Worker:
         runner: Any = self.engine.runner
         # NOTE: simulated seconds so far; a step's delay is how far it moved this clock
         self._sim_clock_s = (lambda: runner.clock_s) if cost is not None else (lambda: 0.0)
-        self._welcome = self._make_welcome()
 
     def _init_sockets(self) -> None:
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -195,6 +193,10 @@ class Worker:
             model=Path(path).name if path else "demo", page_size=e.cfg.page_size,
             sliding_window=e.model_config.sliding_window if e.kv.has_swa else None,
             max_context=e.model_config.max_position_embeddings,
+            # NOTE: the sim paces with its preset; a native worker announces the same preset as
+            # its estimate (``--cost``), which only the router's predictions use
+            cost=COST_PRESETS[self.cfg.cost], max_batched_tokens=e.cfg.max_num_batched_tokens,
+            events_endpoint=self._pub.endpoint, replay_endpoint=self._pub.replay_endpoint,
         )
 
     # ------------------------------------------------------------------ messages
@@ -242,6 +244,8 @@ class Worker:
                 self._on_generate(identity, msg)
             case Abort():
                 self._on_abort(identity, msg)
+            case Retain():
+                pass  # TODO(issue 9): engine-side retention of finished requests' ends
             case GetLoad():
                 self._reply(identity, self._load_report())
             case Flush():

@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from engine.config import EngineConfig
+from engine.cost import COST_PRESETS
 from engine.hashing import page_hashes
 from engine.protocol import PROTOCOL_VERSION, Abort, GetLoad, Hello, LoadReport, Welcome
 from engine.sequence import Sequence
@@ -40,9 +41,14 @@ def test_hello_is_answered_with_the_workers_geometry(client: Client) -> None:
     client.send(Hello(version=PROTOCOL_VERSION, client_id="t"))
     welcome = client.recv()
     assert isinstance(welcome, Welcome) and len(welcome.instance_id) == 32
+    assert welcome.events_endpoint and welcome.events_endpoint.startswith("tcp://127.0.0.1:")
     assert welcome == Welcome(version=PROTOCOL_VERSION, worker_id="sim-test",
                               instance_id=welcome.instance_id, model="demo",
-                              page_size=PAGE, sliding_window=WINDOW, max_context=8192)
+                              page_size=PAGE, sliding_window=WINDOW, max_context=8192,
+                              cost=COST_PRESETS["cpu"],
+                              max_batched_tokens=welcome.max_batched_tokens,
+                              events_endpoint=welcome.events_endpoint, replay_endpoint=None)
+    assert welcome.max_batched_tokens > 0
 
 
 def test_version_mismatch_is_refused_and_the_worker_keeps_serving(client: Client) -> None:
