@@ -97,6 +97,9 @@ class Dispatcher:
         self._sessions: OrderedDict[str, WorkerClient] = OrderedDict()
         self._num_sessions: Counter[WorkerClient] = Counter()  # NOTE: of each worker
         self._next = 0  # NOTE: where the round robin of ties starts
+        # NOTE: wire request id -> the worker that finished it, for Retain (bounded, LRU)
+        self._finished_on: OrderedDict[str, WorkerClient] = OrderedDict()
+        self._finished_wire_id: dict[str, str] = {}
         self._alive_waiters: list[asyncio.Future[None]] = []
         for client in self.clients:
             client.alive_listeners.append(self._wake)
@@ -159,6 +162,7 @@ class Dispatcher:
                             last_s = now_s
                         else:
                             stats.finished(item)
+                            self._note_finished(item.request_id, client)
                         started = True
                         yield item
                 return
@@ -171,6 +175,25 @@ class Dispatcher:
                     raise
                 last_error = exc
                 logger.warning("retrying %s elsewhere: %s", request.request_id, exc)
+
+    def retain(self, request_id: str, ttl_s: float) -> bool:
+        """Send ``Retain(ttl_s)`` for a request that finished lately (its wire id: a retry's is
+        ``<id>.retry<n>``; the original id finds it too) to the worker that ran it; ``ttl_s=0``
+        releases. False when that worker is unknown (long ago) or not reachable now."""
+        client = self._finished_on.get(request_id)
+        if client is None:
+            return False
+        return client.retain(self._finished_wire_id.get(request_id, request_id), ttl_s)
+
+    def _note_finished(self, wire_id: str, client: WorkerClient) -> None:
+        base = wire_id.split(".retry", 1)[0]
+        for key in {base, wire_id}:
+            self._finished_on[key] = client
+            self._finished_on.move_to_end(key)
+            self._finished_wire_id[key] = wire_id
+        while len(self._finished_on) > self.max_sessions:
+            key, _ = self._finished_on.popitem(last=False)
+            self._finished_wire_id.pop(key, None)
 
     async def _pick_for_attempt(
         self,

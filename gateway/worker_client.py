@@ -51,6 +51,7 @@ from engine.protocol import (
     Hello,
     LoadReport,
     ProtocolError,
+    Retain,
     TokenDelta,
     Welcome,
     decode_worker,
@@ -256,6 +257,11 @@ class WorkerClient:
         """Ask the worker to stop ``request_id``; its stream ends with ``Finished("abort")``."""
         if self._sock is not None:
             self._send(Abort(request_id=request_id))
+
+    def retain(self, request_id: str, ttl_s: float) -> bool:
+        """Ask the worker to keep finished ``request_id``'s end checkpoint ``ttl_s`` more seconds
+        (0 releases it); fire and forget. False when it could not be sent."""
+        return self.is_alive and self._send(Retain(request_id=request_id, ttl_s=ttl_s))
 
     async def load(self, timeout_s: float = 5.0) -> LoadReport:
         """A fresh ``LoadReport`` (answering a GetLoad sent now).
