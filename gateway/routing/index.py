@@ -37,6 +37,26 @@ from ``LoadReport``/``Welcome``).
 A batch lost at the end of a burst shows as a gap only when a later batch (or a periodic
 catch-up replay, ``KVEventSubscriber``) arrives; until then the index may be behind the worker.
 
+Optimistic entries (``predict``): the router adds, for a request it has just sent, short-lived
+entries for the request's pages on that worker (a side index per worker), so siblings routed
+before any ``BlockStored`` arrives see the prefix where it is being computed. ``match(hashes,
+now_s)`` takes the max of confirmed and unexpired predicted credit; without ``now_s`` it is the
+confirmed credit alone. A ``BlockStored`` for a predicted page replaces its entry; entries expire
+at their ``until_s``; at most ``max_predicted_pages`` live over all workers (the oldest go first).
+Window safety of predictions: a predicted checkpoint stands for a point whose window the
+worker's engine will have live within the TTL (the end of the request's routable prompt, which
+the running request's own window covers and where the engine keeps a checkpoint; an observed
+branch point, which the engine marks once the request recomputes past it). Predicted pages carry
+no window of their own: a sibling that leaves the chain elsewhere gets full-KV credit only.
+
+Matching is O(log pages) per worker for the full-KV part (a binary search over the chain: a page
+hash names its whole prefix and the engine's cache is prefix-closed, so "page i is cached" is
+monotone in i), plus a backward scan from the match end to the deepest window-safe point (it
+stops at the first one; O(pages) only for a long match without any live window on it). A page
+the index lost (the cap) inside a chain it still holds deeper pages of can make the search stop
+early or jump the hole; both are under-reports, as the engine does hold the prefix of any page it
+holds.
+
 Memory: at most ``max_pages`` page entries over all workers (about 170 bytes each with CPython
 3.11: the hash, its parent link and the LRU order; test_routing_index.py measures it); beyond it
 the least recently stored or matched entry of the biggest worker is dropped (an under-report
@@ -45,7 +65,7 @@ again). Not thread-safe: callers serialize ``apply*`` and ``match`` (``KVEventSu
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -62,6 +82,7 @@ from engine.worker.events import (
 )
 
 DEFAULT_MAX_PAGES = 1_000_000  # ~170 MB; 16M tokens at 16 tokens a page
+DEFAULT_MAX_PREDICTED_PAGES = 200_000  # optimistic entries over all workers
 MAX_PENDING_BATCHES = 10_000  # live batches held while a replay fills the gap before them
 
 
@@ -96,6 +117,9 @@ class _Worker:
     live_last: int | None = None  # the last seq seen on the live stream
     pending: dict[int, KVEventBatch] = field(default_factory=dict)
     instance_id: str | None = None
+    # NOTE: optimistic entries: page hash -> until_s; checkpoint end -> (depth in pages, until_s)
+    pred: dict[int, float] = field(default_factory=dict)
+    pred_ckpts: dict[int, tuple[int, float]] = field(default_factory=dict)
 
     def clear(self) -> None:
         self.pages.clear()
@@ -139,12 +163,21 @@ class KVIndex:
         max_pages: cap on page entries over all workers.
     """
 
-    def __init__(self, page_size: int, max_pages: int = DEFAULT_MAX_PAGES) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        max_pages: int = DEFAULT_MAX_PAGES,
+        max_predicted_pages: int = DEFAULT_MAX_PREDICTED_PAGES,
+    ) -> None:
         assert page_size > 0 and max_pages > 0, (page_size, max_pages)
         self.page_size, self.max_pages = page_size, max_pages
+        self.max_predicted_pages = max_predicted_pages
         self.stats = IndexStats()
         self._workers: dict[str, _Worker] = {}
         self._num_pages = 0
+        # NOTE: (until_s, worker, its _Worker, page hashes, checkpoint ends) in insertion order
+        self._pred_queue: deque[tuple[float, str, _Worker, list[int], list[int]]] = deque()
+        self._num_pred = 0
 
     # ---------------------------------------------------------------- queries
 
@@ -164,18 +197,89 @@ class KVIndex:
         w = self._workers.get(worker_id)
         return 0 if w is None else w.next_seq
 
-    def match(self, page_hashes: Sequence[int]) -> dict[str, MatchResult]:
+    @property
+    def num_predicted_pages(self) -> int:
+        return self._num_pred
+
+    def match(
+        self, page_hashes: Sequence[int], now_s: float | None = None
+    ) -> dict[str, MatchResult]:
         """Per worker with at least one page of ``page_hashes`` cached: its ``MatchResult``.
 
         A worker whose window is not known yet (no checkpoint event, no ``window_pages`` given)
-        gets ``usable_pages = 0``. Matched entries count as recently used for the cap.
+        gets ``usable_pages = 0`` from confirmed pages. With ``now_s``, optimistic entries live
+        at ``now_s`` count too (see the module docstring). The deepest matched page counts as
+        recently used for the cap.
         """
+        if now_s is not None:
+            self.expire(now_s)
         out = {}
+        if not page_hashes:
+            return out
         for worker_id, w in self._workers.items():
-            result = _match_one(w, page_hashes)
+            result = _match_one(w, page_hashes, now_s)
             if result.full_pages:
                 out[worker_id] = result
         return out
+
+    def confirmed_pages(self, worker_id: str, page_hashes: Sequence[int]) -> int:
+        """The raw match of ``page_hashes`` on ``worker_id`` from events alone (no
+        predictions, no LRU touch)."""
+        w = self._workers.get(worker_id)
+        if w is None or not page_hashes:
+            return 0
+        return _full_pages(w.pages, None, None, page_hashes)
+
+    # ---------------------------------------------------------------- predictions
+
+    def predict(
+        self,
+        worker_id: str,
+        page_hashes: Sequence[int],
+        until_s: float,
+        *,
+        from_page: int = 0,
+        checkpoint_pages: Iterable[int] = (),
+    ) -> None:
+        """Optimistic entries on ``worker_id`` until ``until_s``: pages
+        ``page_hashes[from_page:]`` (the ones before are confirmed already) and live checkpoints
+        ending after page ``d - 1`` for each ``d`` in ``checkpoint_pages`` (1 <= d <= len)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return
+        added = []
+        pred = w.pred
+        for h in page_hashes[from_page:]:
+            if h not in w.pages:
+                if h not in pred:
+                    added.append(h)
+                pred[h] = until_s
+        ends = []
+        for d in checkpoint_pages:
+            if 1 <= d <= len(page_hashes):
+                h = page_hashes[d - 1]
+                w.pred_ckpts[h] = (d, until_s)
+                ends.append(h)
+        self._num_pred += len(added)
+        self._pred_queue.append((until_s, worker_id, w, added, ends))
+        while self._num_pred > self.max_predicted_pages and self._pred_queue:
+            self._drop_prediction(self._pred_queue.popleft(), force=True)
+
+    def expire(self, now_s: float) -> None:
+        """Drop optimistic entries whose ``until_s`` is at or before ``now_s``."""
+        q = self._pred_queue
+        # NOTE: entries are queued in insertion order; with one TTL that is until_s order. A
+        # longer-lived entry queued before a shorter one only delays the latter's cleanup (match
+        # checks until_s itself), never its expiry.
+        while q and q[0][0] <= now_s:
+            self._drop_prediction(q.popleft(), force=False)
+
+    def forget_predictions(self, worker_id: str) -> None:
+        w = self._workers.get(worker_id)
+        if w is not None:
+            self._num_pred -= len(w.pred)
+            w.pred.clear()
+            w.pred_ckpts.clear()
 
     # ---------------------------------------------------------------- membership
 
@@ -188,6 +292,7 @@ class KVIndex:
 
     def remove_worker(self, worker_id: str) -> None:
         """The worker left: forget it."""
+        self.forget_predictions(worker_id)
         w = self._workers.pop(worker_id, None)
         if w is not None:
             self._num_pages -= len(w.pages)
@@ -277,6 +382,8 @@ class KVIndex:
                 else:
                     w.pages[h] = parent
                     self._num_pages += 1
+                    if w.pred and w.pred.pop(h, None) is not None:
+                        self._num_pred -= 1  # NOTE: confirmed: the event replaces the guess
                 parent = h
         elif isinstance(event, BlockRemoved):
             self._num_pages -= sum(map(w.remove, event.block_hashes))
@@ -303,7 +410,25 @@ class KVIndex:
             self._forget(w, min(w.pending))
             self.stats.resyncs += 1
 
+    def _drop_prediction(
+        self, item: tuple[float, str, _Worker, list[int], list[int]], *, force: bool
+    ) -> None:
+        until_s, _, w, added, ends = item
+        for h in added:
+            u = w.pred.get(h)
+            # NOTE: an entry renewed by a later prediction stays (unless the cap forces it out)
+            if u is not None and (force or u <= until_s):
+                del w.pred[h]
+                self._num_pred -= 1
+        for h in ends:
+            c = w.pred_ckpts.get(h)
+            if c is not None and (force or c[1] <= until_s):
+                del w.pred_ckpts[h]
+
     def _restart(self, w: _Worker) -> None:
+        self._num_pred -= len(w.pred)
+        w.pred.clear()
+        w.pred_ckpts.clear()
         w.pending.clear()  # NOTE: the old instance's batches
         self._forget(w, 0)
         w.live_last = None
@@ -324,23 +449,74 @@ class KVIndex:
             self.stats.evicted_pages += 1
 
 
-def _match_one(w: _Worker, page_hashes: Sequence[int]) -> MatchResult:
+def _match_one(w: _Worker, page_hashes: Sequence[int], now_s: float | None) -> MatchResult:
     """The engine's rule (``PrefixCache.match``) with "live SWA" = inside a live checkpoint's
-    window (``w.cover``)."""
-    pages, k = w.pages, w.window_pages
-    full = 0
-    for h in page_hashes:
-        if h not in pages:
-            break
-        pages.move_to_end(h)
-        full += 1
-    if k is None:
-        return MatchResult(full, 0)
+    window (``w.cover``), or at a live predicted checkpoint (``w.pred_ckpts``)."""
+    pred = w.pred if now_s is not None and w.pred else None
+    full = _full_pages(w.pages, pred, now_s, page_hashes)
+    if full == 0:
+        return MatchResult(0, 0)
+    if page_hashes[full - 1] in w.pages:
+        w.pages.move_to_end(page_hashes[full - 1])  # NOTE: the match end counts as used
+    k = w.window_pages
     if k == 0:
         return MatchResult(full, full)
-    usable = run = 0
-    for i in range(full):
-        run = run + 1 if page_hashes[i] in w.cover else 0
-        if run >= min(k, i + 1):
-            usable = i + 1
+    usable = 0 if k is None or not w.cover else _usable_pages(w.cover, k, page_hashes, full)
+    if now_s is not None and w.pred_ckpts:
+        for h, (d, until_s) in w.pred_ckpts.items():
+            if usable < d <= full and until_s > now_s and page_hashes[d - 1] == h:
+                usable = d
     return MatchResult(full, usable)
+
+
+def _full_pages(
+    pages: dict[int, int | None],
+    pred: dict[int, float] | None,
+    now_s: float | None,
+    page_hashes: Sequence[int],
+) -> int:
+    """Length of the cached (confirmed or predicted) prefix of ``page_hashes``, by binary
+    search: "page i cached" is monotone in i for a prefix-closed cache (module docstring)."""
+
+    def has(h: int) -> bool:
+        if h in pages:
+            return True
+        if pred is None:
+            return False
+        until_s = pred.get(h)
+        return until_s is not None and until_s > now_s  # type: ignore[operator]
+
+    n = len(page_hashes)
+    if has(page_hashes[n - 1]):
+        return n
+    if not has(page_hashes[0]):
+        return 0
+    lo, hi = 0, n - 1  # NOTE: page lo cached, page hi not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if has(page_hashes[mid]):
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def _usable_pages(cover: dict[int, int], k: int, page_hashes: Sequence[int], full: int) -> int:
+    """The deepest page end p <= full whose ``min(k, p)`` pages before it are all in ``cover``.
+
+    Scans back from ``full``; a page j outside ``cover`` rules out every end in (j, j + k], so
+    the next candidate is j itself and each page is looked at once::
+
+        pages   ... j-1 [ j ] j+1 ... p-1 | p        (j not covered, p - 1 - j < k: p fails)
+        next candidate: p = j
+    """
+    p = full
+    while p > 0:
+        need = min(k, p)
+        j = p - 1
+        while j >= p - need and page_hashes[j] in cover:
+            j -= 1
+        if j < p - need:
+            return p
+        p = j
+    return 0
