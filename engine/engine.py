@@ -7,6 +7,7 @@ requests that got a token or finished in it.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,8 @@ class EngineStats:
     total_bytes: int
     cached_pages: int
     num_preemptions: int
+    retained_pages: int = 0  # protected by live retentions (estimate: PrefixCache.retained_pages)
+    retains_expired: int = 0  # retentions whose TTL ran out before any request reached them
 
 
 class Engine:
@@ -55,6 +58,8 @@ class Engine:
         on_cache_event: receives the prefix cache's events (the worker publishes them).
         cost: the sim backend's ``CostModel`` (default: calibrated CPU figures).
         grammar_cache_bytes: the bound of the compiled-grammar cache (estimated bytes).
+        clock: seconds for retention TTLs (default ``time.monotonic``; a replay passes its
+            virtual clock).
     """
 
     def __init__(
@@ -64,6 +69,7 @@ class Engine:
         on_cache_event: Callable[[CacheEvent], None] | None = None,
         cost: object | None = None,
         grammar_cache_bytes: int = MAX_GRAMMAR_CACHE_BYTES,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg
         self.model_config = model_config or ModelConfig.from_dir(_require_path(cfg))
@@ -73,7 +79,8 @@ class Engine:
         self.allocator = PageAllocator(self.layout, cfg.kv_budget_bytes)
         self.runner = self._make_runner(model, cost)
         self.cache = PrefixCache(self.allocator, enabled=cfg.enable_prefix_cache,
-                                 keep_tokens=cfg.keep_page_tokens, on_event=on_cache_event)
+                                 keep_tokens=cfg.keep_page_tokens, on_event=on_cache_event,
+                                 clock=clock)
         self.kv = KVManager(self.allocator, self.cache, cfg.checkpoint_interval_tokens)
         self.scheduler = Scheduler(
             self.kv, max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -123,6 +130,16 @@ class Engine:
     def abort(self, request_id: str) -> Sequence | None:
         return self.scheduler.abort(request_id)
 
+    def retain(self, request_id: str, ttl_s: float) -> bool:
+        """Keep the end checkpoint of a lately finished request ``ttl_s`` more seconds (a session
+        paused in a tool call resumes there); ``ttl_s=0`` releases it. Returns False when the
+        request is unknown here (not finished with a checkpoint, or forgotten: the engine
+        remembers ``KVManager.max_finished_ends``) or its pages are gone.
+
+        Retention is a hint: when nothing else is left to evict, retained pages go too.
+        """
+        return self.kv.retain(request_id, ttl_s)
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
@@ -156,6 +173,8 @@ class Engine:
             free_swa_pages=a.num_free_pages(PageKind.SWA), used_bytes=a.used_bytes,
             total_bytes=a.total_bytes, cached_pages=self.cache.num_nodes,
             num_preemptions=self.scheduler.num_preemptions,
+            retained_pages=self.cache.retained_pages(),
+            retains_expired=self.cache.retains_expired,
         )
 
     # ------------------------------------------------------------------ internals

@@ -17,26 +17,34 @@ ceil((W + chunk) / page) + 1 SWA pages per SWA layer at any time.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from engine.hashing import page_hash, page_hashes, salt_seed
 from engine.kv.allocator import PageAllocator
 from engine.kv.layout import PageKind, num_pages, swa_first_needed_page
 from engine.kv.paged import SeqPages
-from engine.kv.prefix_cache import PrefixCache
+from engine.kv.prefix_cache import Node, PrefixCache
 from engine.sequence import Sequence
 
 
 class KVManager:
     """Args:
     checkpoint_interval_tokens: also checkpoint every this many tokens along each newly computed
-        prompt (periodic checkpoints, dropped first under pressure); 0 disables. A multiple of
-        the page size.
+        prompt (periodic checkpoints, in the same LRU as resume points); 0 disables. A multiple
+        of the page size.
+    max_finished_ends: how many finished requests' end checkpoints ``retain`` can still find
+        (the oldest are forgotten first).
     """
 
     def __init__(
-        self, allocator: PageAllocator, cache: PrefixCache, checkpoint_interval_tokens: int = 0
+        self, allocator: PageAllocator, cache: PrefixCache, checkpoint_interval_tokens: int = 0,
+        max_finished_ends: int = 4096,
     ) -> None:
         self.allocator, self.cache = allocator, cache
         self.checkpoint_interval_tokens = checkpoint_interval_tokens
+        self.max_finished_ends = max_finished_ends
+        # NOTE: request id -> the resume checkpoint marked at its finish (``retain``); bounded
+        self._ends: OrderedDict[str, Node] = OrderedDict()
         layout = allocator.layout
         self.page_size, self.window = layout.page_size, layout.window
         self.has_swa = layout.page_bytes(PageKind.SWA) > 0
@@ -130,8 +138,8 @@ class KVManager:
 
     def release(self, seq: Sequence, checkpoint: bool = False) -> None:
         """Give back everything the request holds; with ``checkpoint``, keep its end resumable."""
-        if checkpoint and seq.path:
-            self.cache.mark_checkpoint(seq.path[-1], seq.retain_ttl_s)
+        if checkpoint and seq.path and self.cache.mark_checkpoint(seq.path[-1], seq.retain_ttl_s):
+            self._remember_end(seq.request_id, seq.path[-1])
         for node in seq.swa_pinned:
             self.cache.unpin(node, full=False, swa=True)
         if seq.path:
@@ -147,7 +155,25 @@ class KVManager:
     def num_swa_pages_held(self, seq: Sequence) -> int:
         return len(seq.swa_pinned) + len(seq.pending_swa)
 
+    def retain(self, request_id: str, ttl_s: float) -> bool:
+        """Protect a finished request's end checkpoint for ``ttl_s`` seconds from now (0 releases
+        it); False when the request is unknown (never finished here, or forgotten) or its end
+        page or window is gone. See ``PrefixCache.retain``."""
+        node = self._ends.get(request_id)
+        if node is None:
+            return False
+        if not self.cache.retain(node, ttl_s):
+            del self._ends[request_id]  # NOTE: gone for good (a demoted, released end too)
+            return False
+        return True
+
     # ------------------------------------------------------------------ internals
+
+    def _remember_end(self, request_id: str, node: Node) -> None:
+        self._ends[request_id] = node
+        self._ends.move_to_end(request_id)
+        while len(self._ends) > self.max_finished_ends:
+            self._ends.popitem(last=False)
 
     def _insert_page(self, seq: Sequence) -> None:
         i = len(seq.path)

@@ -14,10 +14,13 @@ p where full KV covers [0, p) and live SWA covers [p - W, p):
 Retention (DESIGN.md invariant 3) is adaptive. SWA pages are "history" unless they belong to a
 checkpoint (the k = ceil(W / page) pages before a marked resume point: a prompt end, an output end,
 an observed branch point, or a periodic point every ``checkpoint_interval_tokens`` along a new
-prompt). Eviction frees, in order: history SWA (LRU), then periodic checkpoints (LRU), then the
-least recently used of {checkpoint demotion, leaf deletion}; retained checkpoints (TTL hints) go
-last. So while memory is plentiful every page keeps its SWA and hits land anywhere; under pressure
-the cache degrades to periodic plus resume-point checkpoints, then to resume points only.
+prompt). Eviction frees, in order: history SWA (LRU), then the least recently used of
+{checkpoint demotion, leaf deletion}, where periodic and resume-point checkpoints share one LRU;
+retained checkpoints (TTL hints) go last. So while memory is plentiful every page keeps its SWA and
+hits land anywhere; under pressure the cache degrades to the checkpoints hits actually used lately.
+NOTE: one LRU for both kinds, because dropping periodic ones strictly first missed issue 9's
+synthetic-trace targets at every interval (``loadtest/bench_engine.py hit-rate``): a periodic
+point that keeps being hit is worth more than a resume point nobody came back to.
 
 Ownership: once a page is in the tree, the tree owns it. Running requests pin what they use:
 ``full_refs`` on their deepest node (ancestors are pinned by having children) and ``swa_refs`` on
@@ -29,99 +32,16 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from engine.kv.allocator import PageAllocator
 from engine.kv.layout import PageKind
+from engine.kv.node import CacheEvent, CacheStats, MatchResult, Node
+from engine.kv.retention import Retentions
 from engine.utils import cdiv
 
-
-class Node:
-    """One cached page. ``swa_page is None`` means its SWA KV was dropped (tombstone)."""
-
-    __slots__ = (
-        "page_hash",
-        "parent",
-        "depth",
-        "full_page",
-        "swa_page",
-        "num_children",
-        "token_ids",
-        "full_refs",
-        "swa_refs",
-        "ckpt_refs",
-        "is_ckpt_end",
-        "is_periodic",
-        "retain_until",
-        "access",
-        "swa_access",
-        "alive",
-    )
-
-    def __init__(
-        self,
-        page_hash: int,
-        parent: Node | None,
-        full_page: int,
-        swa_page: int | None,
-        token_ids: tuple[int, ...] | None,
-    ) -> None:
-        self.page_hash, self.parent = page_hash, parent
-        self.depth = 0 if parent is None else parent.depth + 1
-        self.full_page, self.swa_page, self.token_ids = full_page, swa_page, token_ids
-        self.num_children = 0
-        self.full_refs = self.swa_refs = self.ckpt_refs = 0
-        self.is_ckpt_end = self.is_periodic = False
-        self.retain_until = 0.0
-        self.access = self.swa_access = 0
-        self.alive = True
-
-    def ancestors(self, n: int) -> Iterator[Node]:
-        """This node and up to n - 1 parents, deepest first."""
-        node: Node | None = self
-        for _ in range(n):
-            if node is None:
-                return
-            yield node
-            node = node.parent
-
-    def __repr__(self) -> str:
-        return (
-            f"Node(depth={self.depth}, full={self.full_page}, swa={self.swa_page}, "
-            f"refs={self.full_refs}/{self.swa_refs}, ckpt={self.ckpt_refs})"
-        )
-
-
-class MatchResult(NamedTuple):
-    nodes: list[Node]  # the usable path, root side first (len = usable pages)
-    usable_tokens: int
-    raw_tokens: int  # full KV present for this many tokens
-    branch_node: Node | None  # node at the raw match end: an observed branch point
-
-    @property
-    def cut_tokens(self) -> int:
-        """Tokens with full KV cached that the window made unusable."""
-        return self.raw_tokens - self.usable_tokens
-
-
-class CacheEvent(NamedTuple):
-    kind: str  # "stored" | "removed" | "ckpt_stored" | "ckpt_dropped" | "cleared"
-    page_hash: int | None = None
-    parent_hash: int | None = None
-    token_ids: tuple[int, ...] | None = None
-
-
-@dataclass
-class CacheStats:
-    match_calls: int = 0
-    matched_tokens: int = 0  # usable
-    raw_matched_tokens: int = 0
-    cut_tokens: int = 0  # raw - usable, summed: what the window cut off
-    evicted_full_pages: int = 0
-    evicted_swa_pages: int = 0
-    dropped_checkpoints: int = 0
+__all__ = ["CacheEvent", "CacheStats", "MatchResult", "Node", "PrefixCache"]
 
 
 @dataclass
@@ -151,7 +71,7 @@ class PrefixCache:
         self._swa_heap: list[tuple[int, int, Node]] = []  # history SWA, by swa_access
         self._leaf_heap: list[tuple[int, int, Node]] = []  # deletable leaves, by access
         self._ckpt_heap: list[tuple[int, int, Node]] = []  # checkpoint ends, by swa_access
-        self._periodic_heap: list[tuple[int, int, Node]] = []  # periodic ends, by swa_access
+        self.retentions = Retentions()  # metrics only: eviction reads ``Node.retain_until``
         layout = self.allocator.layout
         self.page_size, self.window = layout.page_size, layout.window
         self.has_swa = layout.page_bytes(PageKind.SWA) > 0
@@ -272,8 +192,9 @@ class PrefixCache:
         """Make ``node``'s end a resume point: keep SWA for the k pages ending at it.
 
         ``retain_ttl_s`` protects it from eviction for that long (sessions paused in a tool call).
-        ``periodic`` marks a speculative point (every N tokens along a prompt): pressure drops
-        those first, LRU; marking it again without ``periodic`` promotes it to a resume point.
+        ``periodic`` labels a speculative point (every N tokens along a prompt); both kinds share
+        one LRU, the label (``Node.is_periodic``) only says how it came; marking it again without
+        ``periodic`` relabels it a resume point.
         Returns False (and marks nothing) when the window before it is not all live.
 
         NOTE (invariant): every checkpoint's k pages keep live SWA until it is dropped.
@@ -282,18 +203,46 @@ class PrefixCache:
             return False
         if retain_ttl_s is not None:
             node.retain_until = max(node.retain_until, self.clock() + retain_ttl_s)
+            self.retentions.track(node)
         if node.is_ckpt_end:
-            if node.is_periodic and not periodic:  # promote: a real resume point lands here
-                node.is_periodic = False
-                self._push(self._ckpt_heap, node.swa_access, node)
+            node.is_periodic = node.is_periodic and periodic
             return True
         node.is_ckpt_end, node.is_periodic = True, periodic
         for n in node.ancestors(self.window_pages):
             n.ckpt_refs += 1
         node.swa_access = next(self._tick)
-        self._push(self._periodic_heap if periodic else self._ckpt_heap, node.swa_access, node)
+        self._push(self._ckpt_heap, node.swa_access, node)
         self._emit("ckpt_stored", node)
         return True
+
+    def retain(self, node: Node, ttl_s: float) -> bool:
+        """Protect the checkpoint ending at ``node`` for ``ttl_s`` seconds from now (replacing an
+        earlier TTL); ``ttl_s <= 0`` releases it (evictable by LRU again).
+
+        A node whose checkpoint was demoted is marked again when its window is still live.
+        Returns False (and changes nothing) when the node or its window is gone.
+        """
+        if not node.alive:
+            return False
+        if ttl_s <= 0:
+            node.retain_until = 0.0
+            self.retentions.release(node)
+            return node.is_ckpt_end
+        if not node.is_ckpt_end and not self.mark_checkpoint(node):
+            return False
+        node.retain_until = self.clock() + ttl_s
+        self.retentions.track(node)
+        return True
+
+    def retained_pages(self) -> int:
+        """Pages that live retentions protect from eviction (an estimate, see ``Retentions``);
+        counts the retentions that expired unused since the last call first."""
+        return self.retentions.pages(self.clock(), self.window_pages)
+
+    @property
+    def retains_expired(self) -> int:
+        """Retained checkpoints whose TTL ran out before any request reached them (so far)."""
+        return self.retentions.num_expired
 
     def evict(self, num_full: int, num_swa: int) -> bool:
         """Free cached pages until the allocator can hand out this many pages of each kind.
@@ -336,10 +285,6 @@ class PrefixCache:
         if node is not None:
             self._drop_swa(node)
             return True
-        periodic = self._pop(self._periodic_heap, lambda n: n.swa_access, self._is_periodic)
-        if periodic is not None:
-            self._drop_checkpoint(periodic)
-            return True
         now = self.clock()
         retained: list[tuple[list[tuple[int, int, Node]], tuple[int, int, Node]]] = []
         try:
@@ -376,6 +321,8 @@ class PrefixCache:
     def _drop_checkpoint(self, end: Node) -> None:
         if not end.is_ckpt_end:
             return
+        if end in self.retentions:
+            self.retentions.end(end, self.clock())
         end.is_ckpt_end = end.is_periodic = False
         end.retain_until = 0.0
         for n in end.ancestors(self.window_pages):
@@ -431,10 +378,7 @@ class PrefixCache:
         # NOTE: demotable even while a running request pins some of its window: demotion only
         # drops the checkpoint refs, pinned pages stay until unpinned (then they are history).
         # Skipping pinned ones here would pop them off the heap for good (nothing re-offers them).
-        return n.alive and n.is_ckpt_end and not n.is_periodic
-
-    def _is_periodic(self, n: Node) -> bool:
-        return n.alive and n.is_ckpt_end and n.is_periodic
+        return n.alive and n.is_ckpt_end
 
     def _window_live(self, end: Node) -> bool:
         return all(a.swa_page is not None for a in end.ancestors(self.window_pages))
@@ -458,7 +402,7 @@ class PrefixCache:
                 n.swa_access = tick
                 self._offer(n)
             if end.is_ckpt_end:
-                self._push(self._periodic_heap if end.is_periodic else self._ckpt_heap, tick, end)
+                self._push(self._ckpt_heap, tick, end)
 
     def _push(self, heap: list[tuple[int, int, Node]], key: int, n: Node) -> None:
         heapq.heappush(heap, (key, next(self._seq), n))
@@ -497,3 +441,4 @@ class PrefixCache:
         parent = node.parent.page_hash if node.parent is not None else None
         tokens = node.token_ids if kind == "stored" else None
         self.on_event(CacheEvent(kind, node.page_hash, parent, tokens))
+

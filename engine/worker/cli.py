@@ -64,6 +64,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> list[argparse
         add("--max-batched-tokens", type=int, help="token budget per step (default 512)"),
         add("--no-prefix-cache", action="store_const", const=False, dest="prefix_cache",
             help="keep no KV of finished requests"),
+        add("--checkpoint-interval-tokens", type=int,
+            help="keep an SWA checkpoint every this many tokens along new prompts (a multiple "
+                 "of the page size; 0: off; default 8192, chosen by loadtest/bench_engine.py "
+                 "hit-rate)"),
         add("--cost", choices=COSTS, default="cpu", help="sim backend step-time preset"),
         add("--dtype", help="native backend: float32, bfloat16 or auto"),
         add("--device", help="native backend: cpu or cuda (default: cuda if available)"),
@@ -122,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         model_path=args.model, backend=args.backend, page_size=args.page_size,
         kv_budget_bytes=args.kv_budget_mb * 2**20 if args.kv_budget_mb else None,
         max_num_batched_tokens=args.max_batched_tokens, enable_prefix_cache=args.prefix_cache,
+        checkpoint_interval_tokens=args.checkpoint_interval_tokens,
         dtype=args.dtype, device=args.device,
     )
     if engine_cfg.backend == "native" and engine_cfg.model_path is None:

@@ -120,6 +120,7 @@ def load_report(worker_id: str, stats: EngineStats, instance_id: str = "") -> Lo
         num_running=s.num_running, num_waiting=s.num_waiting,
         free_full_pages=s.free_full_pages, free_swa_pages=s.free_swa_pages,
         used_bytes=s.used_bytes, total_bytes=s.total_bytes, cached_pages=s.cached_pages,
+        retained_pages=s.retained_pages, retains_expired=s.retains_expired,
     )
 
 

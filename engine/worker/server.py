@@ -26,6 +26,10 @@ the identity that sent the message. Message flow:
   any token; after a preemption it may come after some ``TokenDelta``s.
 - ``Abort`` -> ``Finished(finish_reason="abort")`` to the request's owner; unknown ids (finished,
   never sent, another client's) are ignored.
+- ``Retain`` (no reply) keeps the SWA checkpoint at the end of one of this client's finished
+  requests ``ttl_s`` more seconds (0 releases it; ``Engine.retain``). Ids the worker does not know
+  (never finished here, forgotten, another client's), and TTLs that are negative or not finite,
+  are ignored.
 - ``GetLoad`` -> ``LoadReport``; ``Flush`` drops the prefix cache, then -> ``LoadReport``.
 - Anything that does not decode -> ``ErrorReply(None, "bad_message")``; the worker keeps serving.
 
@@ -46,8 +50,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -56,8 +62,8 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.cost import COST_PRESETS
-from engine.engine import ContextTooLong, Engine
-from engine.grammar import GrammarError, GrammarMatcher, spec_bytes
+from engine.engine import Engine
+from engine.grammar import GrammarMatcher
 from engine.model_config import ModelConfig
 from engine.protocol import (
     PROTOCOL_VERSION,
@@ -79,10 +85,10 @@ from engine.protocol import (
     encode,
 )
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Overloaded
 from engine.sequence import Sequence
+from engine.worker.admission import add_to_engine, check_generate
 from engine.worker.clients import ClientWatch
-from engine.worker.config import COSTS, MAX_STREAM_INTERVAL_S, WorkerConfig
+from engine.worker.config import COSTS, WorkerConfig
 from engine.worker.grammar_jobs import Failed, GrammarJobs
 from engine.worker.publisher import KVEventBuffer, RequestStream, WorkerPublisher, load_report
 
@@ -123,6 +129,8 @@ class Worker:
         self._compiling: dict[str, _Compiling] = {}  # by engine request id
         # NOTE: (identity, request_id) -> engine id, for requests in either dict above
         self._by_client: dict[tuple[bytes, str], str] = {}
+        # NOTE: the same for finished requests, as many as the engine remembers ends (Retain)
+        self._finished: OrderedDict[tuple[bytes, str], str] = OrderedDict()
         self._clients = ClientWatch(cfg.client_timeout_s)
         self._ids = itertools.count()
         self._held: _HeldStep | None = None
@@ -245,7 +253,7 @@ class Worker:
             case Abort():
                 self._on_abort(identity, msg)
             case Retain():
-                pass  # TODO(issue 9): engine-side retention of finished requests' ends
+                self._on_retain(identity, msg)
             case GetLoad():
                 self._reply(identity, self._load_report())
             case Flush():
@@ -264,7 +272,7 @@ class Worker:
         if (identity, rid) in self._by_client:
             self._error(identity, rid, "duplicate_request", f"request {rid!r} is still running")
             return
-        params = self._check_generate(msg)
+        params = check_generate(msg, self.engine, self.cfg.max_grammar_bytes)
         if isinstance(params, ErrorReply):
             self._reply(identity, params)
             return
@@ -275,31 +283,6 @@ class Worker:
             self._compile(identity, msg, params, engine_id)
             return
         self._admit(identity, msg, params, engine_id, grammar)
-
-    def _check_generate(self, msg: Generate) -> SamplingParams | ErrorReply:
-        """The request's validated parameters, or the error that refuses it (cheap checks only:
-        nothing here compiles a grammar)."""
-        rid = msg.request_id
-        try:
-            params = msg.sampling.to_params()
-        except ValueError as e:
-            return ErrorReply(request_id=rid, code="invalid_request", message=str(e))
-        if not 0.0 <= msg.stream_interval_s <= MAX_STREAM_INTERVAL_S:  # NOTE: False for NaN
-            text = (f"stream_interval_s={msg.stream_interval_s}: must be in "
-                    f"[0, {MAX_STREAM_INTERVAL_S}]")
-            return ErrorReply(request_id=rid, code="invalid_request", message=text)
-        size = 0 if params.structured is None else spec_bytes(params.structured)
-        if size > self.cfg.max_grammar_bytes:
-            text = (f"the grammar is {size} bytes; this worker compiles grammars of at most "
-                    f"{self.cfg.max_grammar_bytes} bytes")
-            return ErrorReply(request_id=rid, code="invalid_grammar", message=text)
-        try:
-            self.engine.check_request(msg.input_ids, params)
-        except ContextTooLong as e:
-            return ErrorReply(request_id=rid, code="context_too_long", message=str(e))
-        except ValueError as e:
-            return ErrorReply(request_id=rid, code="invalid_request", message=str(e))
-        return params
 
     def _compile(self, identity: bytes, msg: Generate, params: SamplingParams,
                  engine_id: str) -> None:
@@ -329,24 +312,9 @@ class Worker:
                grammar: GrammarMatcher | None) -> None:
         """Build the request (its grammar, if any, already compiled) and hand it to the engine."""
         rid = msg.request_id
-        try:
-            seq = self.engine.make_sequence(
-                engine_id, msg.input_ids, params, grammar=grammar, priority=msg.priority,
-                cache_salt=msg.cache_salt, session_id=msg.session_id,
-                retain_ttl_s=msg.retain_ttl_s,
-            )
-            self.engine.add(seq)
-        except ContextTooLong as e:
-            self._error(identity, rid, "context_too_long", str(e))
-            return
-        except GrammarError as e:
-            self._error(identity, rid, "invalid_grammar", str(e))
-            return
-        except Overloaded as e:
-            self._error(identity, rid, "overloaded", str(e))
-            return
-        except ValueError as e:
-            self._error(identity, rid, "invalid_request", str(e))
+        seq = add_to_engine(self.engine, msg, params, engine_id, grammar)
+        if isinstance(seq, ErrorReply):
+            self._reply(identity, seq)
             return
         self._requests[engine_id] = RequestStream(
             identity, rid, seq, stream_interval_s=msg.stream_interval_s,
@@ -363,6 +331,16 @@ class Worker:
             return
         self.engine.abort(engine_id)
         self._finish(self._requests[engine_id])
+
+    def _on_retain(self, identity: bytes, msg: Retain) -> None:
+        """Keep (or release) the end checkpoint of one of this client's finished requests."""
+        engine_id = self._finished.get((identity, msg.request_id))
+        if engine_id is None:
+            return  # NOTE: never finished here, forgotten, or another client's: ignored
+        if not 0.0 <= msg.ttl_s < math.inf:  # NOTE: False for NaN
+            logger.warning("ignored a Retain of %r with ttl_s=%r", msg.request_id, msg.ttl_s)
+            return
+        self.engine.retain(engine_id, msg.ttl_s)
 
     def _abort_compiling(self, engine_id: str) -> None:
         """End a request still waiting for its grammar (its compile goes on if shared)."""
@@ -433,8 +411,17 @@ class Worker:
     def _finish(self, req: RequestStream) -> None:
         """Send what is left of the stream, then its one last message."""
         self._send_delta(req)  # NOTE: tokens of a held sim step when the request is aborted
+        engine_id = self._by_client.get((req.identity, req.request_id))
         self._forget(req.identity, req.request_id)
+        if engine_id is not None:
+            self._remember_finished((req.identity, req.request_id), engine_id)
         self._reply(req.identity, req.last_message())
+
+    def _remember_finished(self, key: tuple[bytes, str], engine_id: str) -> None:
+        self._finished[key] = engine_id
+        self._finished.move_to_end(key)
+        while len(self._finished) > self.engine.kv.max_finished_ends:
+            self._finished.popitem(last=False)
 
     def _fail_all(self) -> None:
         """After an engine failure: abort every request (best effort) and tell its client."""

@@ -1,5 +1,6 @@
 """Periodic SWA checkpoints (issue 9): every ``checkpoint_interval_tokens`` along a new prompt,
-dropped first under pressure, invisible in the tokens (cached and uncached runs agree)."""
+in one LRU with the resume points (after history SWA), invisible in the tokens (cached and
+uncached runs agree)."""
 
 from __future__ import annotations
 
@@ -88,20 +89,31 @@ def _unpin_all(cache: PrefixCache, nodes: list[Node]) -> None:
         cache.unpin(n, full=True, swa=True)
 
 
-def test_periodic_checkpoints_go_after_history_before_resume_points() -> None:
+def test_checkpoints_of_both_kinds_share_one_lru_after_history() -> None:
+    """History SWA goes first; then periodic and resume-point checkpoints go least recently used
+    first, whatever their kind (a periodic point that was hit outlives an idle resume point)."""
     cache = _make_cache(window=4, num_chunks=64)  # k = 1 page
     nodes = _chain(cache, 8)
     for i in (1, 3, 5):
         assert cache.mark_checkpoint(nodes[i], periodic=True)
-    assert cache.mark_checkpoint(nodes[7])  # the prompt end
+    assert cache.mark_checkpoint(nodes[7])  # the prompt end, the most recent mark
     _unpin_all(cache, nodes)
+    # NOTE: a running request keeps the chain's full KV (no leaf to delete): only checkpoints go
+    cache.pin(nodes[7], full=True, swa=False)
     for _ in range(4):  # history first: pages 0, 2, 4, 6
         assert cache._evict_one()
     assert [n.depth for n in nodes if n.swa_page is not None] == [1, 3, 5, 7]
-    for _ in range(6):  # then the periodic ones (demote, then free as history); the prompt
-        assert cache._evict_one()  # end and all full KV stay
-    assert [n.depth for n in nodes if n.swa_page is not None] == [7]
-    assert nodes[7].is_ckpt_end and all(n.alive for n in nodes)
+    assert cache.match([n.page_hash for n in nodes[:4]], max_tokens=4 * PAGE).usable_tokens == 16
+    # LRU now: periodic 1, periodic 5, the resume point 7, periodic 3 (just hit)
+    dropped = []
+    for _ in range(3):
+        before = {n.depth for n in nodes if n.is_ckpt_end}
+        assert cache._evict_one()  # a demotion ...
+        dropped += sorted(before - {n.depth for n in nodes if n.is_ckpt_end})
+        assert cache._evict_one()  # ... then its window's SWA goes as history
+    assert dropped == [1, 5, 7], f"checkpoints dropped in order {dropped}"
+    assert [n.depth for n in nodes if n.swa_page is not None] == [3]
+    assert nodes[3].is_ckpt_end and all(n.alive for n in nodes), "full KV stays"
     kinds = [e.kind for e in cache.events]
     assert kinds.count("ckpt_stored") == 4 and kinds.count("ckpt_dropped") == 3
 
@@ -112,6 +124,7 @@ def test_periodic_checkpoints_drop_least_recently_hit_first() -> None:
     for i in (1, 3, 5):
         cache.mark_checkpoint(nodes[i], periodic=True)
     _unpin_all(cache, nodes)
+    cache.pin(nodes[5], full=True, swa=False)  # no leaf to delete: only checkpoints go
     cache.drop_history()
     m = cache.match([n.page_hash for n in nodes], max_tokens=2 * PAGE)  # a hit at the first one
     assert m.usable_tokens == 2 * PAGE

@@ -125,6 +125,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.cache: PrefixCache | None = None
         self.memory: dict[tuple[PageKind, int], int] = {}
         self.running: list[_Running] = []
+        self.ends: list[Node] = []  # finished requests' end checkpoints (Retain targets)
+        self.expired = 0
 
     @precondition(lambda self: self.cache is None)
     @rule(window=st.sampled_from([1, 4, 6, 8]), chunks=st.integers(4, 24))
@@ -153,8 +155,24 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             return
         if checkpoint and ttl is not None and req.path:
             self.cache.mark_checkpoint(req.path[-1], retain_ttl_s=ttl)
+        if checkpoint and req.path:
+            self.ends.append(req.path[-1])
         self.driver.finish(req, checkpoint)
         self.running.remove(req)
+
+    @precondition(lambda self: self.cache is not None and self.ends)
+    @rule(data=st.data(), ttl=st.sampled_from([0.0, 1.0, 30.0, 500.0]))
+    def retain(self, data: st.DataObject, ttl: float) -> None:
+        """A Retain (issue 9) on a finished request's end: TTL from now, 0 releases."""
+        node = data.draw(st.sampled_from(self.ends))
+        window_live = node.alive and all(
+            a.swa_page is not None for a in node.ancestors(self.cache.window_pages))
+        expected = node.alive and (node.is_ckpt_end if ttl == 0 else window_live)
+        assert self.cache.retain(node, ttl) == expected, (node, ttl)
+        if expected and ttl > 0:
+            assert node.is_ckpt_end and node in self.cache.retentions, node
+        if expected:
+            assert node.retain_until == (self.now + ttl if ttl else 0.0), node
 
     @precondition(lambda self: self.cache is not None)
     @rule(req=requests, depth=st.integers(0, 9))
@@ -221,6 +239,22 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 assert n.alive, f"a running request's page was freed: {n}"
             for n in req.swa_pinned:
                 assert n.swa_page is not None, f"a running request's SWA page was freed: {n}"
+
+    @invariant()
+    def retention_bookkeeping(self) -> None:
+        """Tracked retentions are live checkpoints; expiries only grow; the retained pages are
+        pages the cache really holds."""
+        if self.cache is None:
+            return
+        for n in self.cache.retentions:
+            assert n.alive and n.is_ckpt_end, f"tracking a dropped checkpoint: {n}"
+        held = self.cache.retained_pages()
+        assert 0 <= held <= self.cache.allocator.num_used_pages(PageKind.FULL) + \
+            self.cache.allocator.num_used_pages(PageKind.SWA), held
+        for n in self.cache.retentions:
+            assert n.retain_until > self.now, f"an expired retention still tracked: {n}"
+        assert self.cache.retains_expired >= self.expired
+        self.expired = self.cache.retains_expired
 
     @invariant()
     def checkpoints_have_live_windows(self) -> None:
