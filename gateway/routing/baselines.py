@@ -106,9 +106,10 @@ class IndexedRouter(BaselineRouter):
         self.page_size = index.page_size
         self._last: tuple[str, dict[str, MatchResult]] | None = None
 
-    def _match(self, req: RouteRequest) -> dict[str, MatchResult]:
-        """``index.match`` of the request, kept for its ``dispatched`` call."""
-        if self._last is not None and self._last[0] == req.request_id:
+    def _match(self, req: RouteRequest, fresh: bool = False) -> dict[str, MatchResult]:
+        """``index.match`` of the request (``fresh``: asked again), kept for the ``dispatched``
+        call that follows, so the load counted there is what the route believed."""
+        if not fresh and self._last is not None and self._last[0] == req.request_id:
             return self._last[1]
         matches = self.index.match(req.page_hashes) if req.page_hashes else {}
         self._last = (req.request_id, matches)
@@ -237,7 +238,7 @@ class LMetricRouter(IndexedRouter):
     name = "lmetric"
 
     def route(self, req: RouteRequest, candidates: Sequence[str]) -> Decision:
-        matches = self._match(req)
+        matches = self._match(req, fresh=True)
         order = self._ordered(candidates)
 
         def score(w: str) -> tuple[int, int]:

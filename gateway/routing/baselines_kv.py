@@ -58,12 +58,16 @@ class DynamoRouter(IndexedRouter):
         self._requests = {r: v for r, v in self._requests.items() if v[0] != worker_id}
 
     def route(self, req: RouteRequest, candidates: Sequence[str]) -> Decision:
-        matches = self._match(req)
+        matches = self._match(req, fresh=True)
         costs = {w: self.cost(req, w, matches) for w in self._ordered(candidates)}
         best = min(costs.values())
         pick = self._rng.choice([w for w, c in costs.items() if c == best])
         cached = self._cached_tokens(req, pick)
         return Decision(pick, cached_tokens=cached, reason="prefix" if cached else "load")
+
+    def active_blocks(self, worker_id: str) -> int:
+        """Distinct pages held by ``worker_id``'s requests in flight (Dynamo's active blocks)."""
+        return len(self._active.get(worker_id, ()))
 
     def cost(self, req: RouteRequest, worker_id: str, matches: dict[str, MatchResult]) -> float:
         """Dynamo's cost of sending ``req`` to ``worker_id`` (in blocks)."""
@@ -73,7 +77,7 @@ class DynamoRouter(IndexedRouter):
                    - self.overlap_score_credit * overlap)
         active = self._active.get(worker_id, Counter())
         new_blocks = len(req.page_hashes) - _depth(req.page_hashes, active.__contains__)
-        decode = len(active) + new_blocks
+        decode = self.active_blocks(worker_id) + new_blocks
         return self.prefill_load_scale * max(prefill, 0.0) + decode
 
     def dispatched(self, req: RouteRequest, worker_id: str, now_s: float) -> None:
@@ -88,6 +92,10 @@ class DynamoRouter(IndexedRouter):
                 side[h] = now_s + self.predicted_ttl_s
                 side.move_to_end(h)
             self._prune(now_s)
+
+    def first_token(self, request_id: str, now_s: float) -> None:
+        self._now_s = now_s
+        super().first_token(request_id, now_s)
 
     def finished(self, request_id: str, now_s: float) -> None:
         self._now_s = now_s
@@ -160,7 +168,7 @@ class LlmDRouter(IndexedRouter):
         return math.inf if step_s <= 0 else batch / step_s * self.max_ttft_penalty_s
 
     def route(self, req: RouteRequest, candidates: Sequence[str]) -> Decision:
-        matches = self._match(req)
+        matches = self._match(req, fresh=True)
         order = self._ordered(candidates)
         num_pages = len(req.page_hashes)
 
