@@ -10,20 +10,21 @@ hashes only the pages after them (``prev=`` the last remembered hash).
 The fingerprint (checked in O(page_size + num_samples), never O(history)):
 
 * the number of tokens hashed (``n``, a page multiple): the new tokens must be at least as long;
-* the last hashed page's tokens, compared in full;
+* the first and the last hashed page's tokens, compared in full;
 * ``num_samples`` positions in ``[0, n - page_size)``, one drawn at random (per hasher, from
   ``os.urandom``) inside each of ``num_samples`` equal strides, compared by value.
 
-NOTE (what the fingerprint can miss): new tokens that agree with the remembered ones on the last
-remembered page and on every sampled position, but differ somewhere else before it. Appending,
-truncating, or any edit that shifts the tokens after it (an inserted or deleted token, a
-compaction) is caught unless the shifted tokens happen to equal the old ones at every sampled
-position. A same-length substitution of m tokens in the middle of an old turn (a timestamp
-rewritten in place) escapes with probability about ``(1 - m / n) ** num_samples``: likely for
-small m. The result is then the old prompt's chain (plus correct hashes for the new pages chained
-onto it). It affects routing only (the router credits a prefix the worker will not match; the
+NOTE (what the fingerprint can miss): new tokens that agree with the remembered ones on the first
+and last remembered pages and on every sampled position, but differ somewhere else before the
+last page. Appending, truncating, or any edit that shifts the tokens after it (an inserted or
+deleted token, a compaction) is caught unless the shifted tokens happen to equal the old ones at
+every sampled position. A same-length substitution of m tokens in the middle of an old turn (a
+timestamp rewritten in place) escapes with probability about ``(1 - m / n) ** num_samples``:
+likely for small m. The result is then the old prompt's chain (plus correct hashes for the new
+pages chained onto it), and stays so for that key until the fingerprint fails or the key is
+dropped. It affects routing only (the router credits a prefix the worker will not match; the
 engine hashes the prompt itself, so generation is never wrong). ``verify="full"`` compares the
-whole remembered prefix instead (exact; O(n) at C speed, about 0.3 ms for 100k tokens in a list).
+whole remembered prefix instead (exact, O(n) at C speed).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def routable_hashes(hashes: Sequence[int], num_tokens: int, page_size: int) -> S
 class _Entry:
     num_tokens: int  # tokens hashed: len(hashes) * page_size
     hashes: list[int]
+    first_page: list[int]  # tokens [0, page_size)
     last_page: list[int]  # tokens [num_tokens - page_size, num_tokens)
     samples: list[tuple[int, int]]  # (position, token id) in [0, num_tokens - page_size)
     tokens: list[int] | None  # verify="full" only: the whole hashed prefix
@@ -138,7 +140,8 @@ class PrefixHasher:
             return False
         if entry.tokens is not None:
             return list(token_ids[:n]) == entry.tokens
-        if n and list(token_ids[n - p : n]) != entry.last_page:
+        if n and (list(token_ids[n - p : n]) != entry.last_page
+                  or list(token_ids[:p]) != entry.first_page):
             return False
         return all(token_ids[i] == v for i, v in entry.samples)
 
@@ -149,7 +152,8 @@ class PrefixHasher:
         n = len(hashes) * p
         tokens = list(map(int, token_ids[:n])) if self.verify == "full" else None
         self._entries[ident] = _Entry(
-            n, hashes, list(map(int, token_ids[n - p : n])) if n else [],
+            n, hashes, list(map(int, token_ids[:p])) if n else [],
+            list(map(int, token_ids[n - p : n])) if n else [],
             self._samples(token_ids, n - p), tokens)
         self._entries.move_to_end(ident)
         while len(self._entries) > self.max_keys:

@@ -17,7 +17,8 @@ token, so, with ``Q`` uncached prompt tokens queued or prefilling ahead of it, `
 ``i`` of ``q_i`` tokens after ``c_i`` computed ones attends to ``c_i + q_i`` keys, as
 ``engine.sim`` counts them); ``qk_ahead`` the same for the work ahead, summed at dispatch.
 
-With nothing ahead (Q = 0, D = 0) this is exactly the sim's arithmetic (tests/gateway/
+(A step whose prefill is a single token is priced as a decode, as the sim does.) With nothing
+ahead (Q = 0, D = 0) this is exactly the sim's arithmetic (tests/gateway/
 test_routing_cost.py runs the real engine to check). With load it is an estimate: it ignores the
 decode attention term (context lengths of decoding requests are not tracked), requests ahead that
 start decoding while this one waits (each adds a token per step), and prefills the tracker still
@@ -66,8 +67,11 @@ def predict_ttft_s(
     per_step = max(1, max_batched_tokens - num_decoding)
     tokens = queued_tokens + max(1, uncached_tokens)
     steps = -(-tokens // per_step)
+    # NOTE: a step whose prefill is one token is priced as a decode (the sim tells prefill from
+    # decode by query length); the last step is that one when one token is left over
+    single = cost.decode_s_per_token - cost.prefill_s_per_token if tokens % per_step == 1 else 0.0
     return (steps * (cost.step_overhead_s + cost.decode_s_per_token * num_decoding)
-            + cost.prefill_s_per_token * tokens
+            + cost.prefill_s_per_token * tokens + single
             + cost.attn_s_per_qk * (queued_qk_pairs + qk_pairs))
 
 
