@@ -103,9 +103,11 @@ class DynamoRouter(IndexedRouter):
         worker_id, hashes = self._requests.pop(request_id, ("", ()))
         active = self._active.get(worker_id)
         if active is not None:
-            active.subtract(hashes)
             for h in hashes:
-                if active.get(h, 0) <= 0:
+                n = active.get(h, 0) - 1
+                if n > 0:
+                    active[h] = n
+                else:
                     active.pop(h, None)
 
     # ---------------------------------------------------------------- helpers
