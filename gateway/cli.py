@@ -5,8 +5,11 @@
                                       print a completion (the demo model by default)
     agentgate worker --listen tcp://HOST:PORT --events tcp://HOST:PORT [--model DIR] ...
                                       serve one engine over ZeroMQ (``agentgate worker -h``)
+    agentgate replay TRACE.jsonl | --synthetic agent [--policies ...] [--json OUT] [--plots DIR]
+                                      replay a trace through the routing policies on in-process
+                                      sim workers, virtual time (``agentgate replay -h``)
     agentgate serve [--model DIR] [--workers N] [--worker tcp://...] [--host H] [--port P]
-                    [--redis URL] [...]   (agentgate serve -h)
+                    [--redis URL] [--router NAME] [...]   (agentgate serve -h)
                                       the OpenAI-compatible gateway over N worker subprocesses
 
 Heavy modules (torch, the engine) are imported inside the commands, so ``agentgate --help`` and
@@ -127,6 +130,12 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return worker_main(args.extra, prog="agentgate worker")
 
 
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from replay.cli import main as replay_main
+
+    return replay_main(args.extra)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from gateway.serve import ServeError, serve
 
@@ -164,6 +173,9 @@ def serve_kwargs(args: argparse.Namespace, env: Mapping[str, str] | None = None
             "served_model_names": tuple(args.served_model_name),
             "cors_origins": tuple(args.cors_origin),
             "tenant_secret": load_tenant_secret(secret_path, env.get("AGENTGATE_TENANT_SECRET")),
+            "router": args.router,
+            "index_max_pages": args.index_max_pages,
+            "admission": args.admission,
         },
     }
 
@@ -197,6 +209,10 @@ def _build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", add_help=False, help="serve one engine over ZeroMQ "
                             "(flags: agentgate worker -h)")
     worker.set_defaults(func=_cmd_worker, forward_args=True)
+
+    replay = sub.add_parser("replay", add_help=False, help="replay a trace through the routing "
+                            "policies on in-process sim workers (flags: agentgate replay -h)")
+    replay.set_defaults(func=_cmd_replay, forward_args=True)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible gateway and its workers",
                            formatter_class=_DefaultsFormatter)
@@ -233,6 +249,7 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="a request whose first token takes longer ends with 504")
     add("--idle-timeout", type=_positive, default=30.0, metavar="S",
         help="a request whose next token takes longer ends with 504")
+    _add_routing_arguments(serve.add_argument_group("routing"))
     http = serve.add_argument_group("HTTP server")
     http.add_argument("--header-timeout", type=_positive, default=10.0, metavar="S",
                       help="a request head (request line + headers) must arrive within this "
@@ -246,6 +263,20 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                            "then they end with an error")
     add_engine_arguments(serve.add_argument_group(
         "spawned workers", "engine settings passed to every worker that serve starts"))
+
+
+def _add_routing_arguments(group: argparse._ArgumentGroup) -> None:
+    from gateway.routing.index import DEFAULT_MAX_PAGES
+    from gateway.routing.registry import ROUTER_NAMES
+
+    group.add_argument("--router", choices=ROUTER_NAMES, default="agentgate",
+                       help="the routing policy")
+    group.add_argument("--index-max-pages", type=_positive_int, default=DEFAULT_MAX_PAGES,
+                       metavar="N", help="bound of the router's KV index, in page entries over "
+                                         "all workers (about 170 bytes each)")
+    group.add_argument("--no-admission", dest="admission", action="store_false",
+                       help="send requests as soon as they are routed (no length buckets, no "
+                            "cache-first priority, no admission queue; default: admission on)")
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
