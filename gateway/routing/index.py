@@ -161,6 +161,8 @@ class KVIndex:
     Args:
         page_size: tokens per page, as the workers hash them (turns ``window`` into pages).
         max_pages: cap on page entries over all workers.
+        max_predicted_pages: cap on optimistic entries (``predict``) over all workers, about
+            100 bytes each.
     """
 
     def __init__(
@@ -177,7 +179,8 @@ class KVIndex:
         self._num_pages = 0
         # NOTE: (until_s, worker, its _Worker, page hashes, checkpoint ends) in insertion order
         self._pred_queue: deque[tuple[float, str, _Worker, list[int], list[int]]] = deque()
-        self._num_pred = 0
+        self._num_pred = 0  # live page entries
+        self._num_queued = 0  # hashes listed in _pred_queue (>= live entries)
 
     # ---------------------------------------------------------------- queries
 
@@ -247,22 +250,25 @@ class KVIndex:
         w = self._workers.get(worker_id)
         if w is None:
             return
-        added = []
-        pred = w.pred
+        added, num_new = [], 0
+        pred, pages = w.pred, w.pages
         for h in page_hashes[from_page:]:
-            if h not in w.pages:
-                if h not in pred:
-                    added.append(h)
-                pred[h] = until_s
+            if h not in pages:
+                # NOTE: a renewed entry is listed again: the older queue item leaves it alone
+                num_new += h not in pred
+                pred[h] = max(until_s, pred.get(h, until_s))
+                added.append(h)
         ends = []
         for d in checkpoint_pages:
             if 1 <= d <= len(page_hashes):
                 h = page_hashes[d - 1]
-                w.pred_ckpts[h] = (d, until_s)
+                w.pred_ckpts[h] = (d, max(until_s, w.pred_ckpts.get(h, (d, until_s))[1]))
                 ends.append(h)
-        self._num_pred += len(added)
+        self._num_pred += num_new
         self._pred_queue.append((until_s, worker_id, w, added, ends))
-        while self._num_pred > self.max_predicted_pages and self._pred_queue:
+        self._num_queued += len(added) + len(ends)
+        # NOTE: the queue lists every entry at least once, so bounding it bounds them all
+        while self._num_queued > self.max_predicted_pages and self._pred_queue:
             self._drop_prediction(self._pred_queue.popleft(), force=True)
 
     def expire(self, now_s: float) -> None:
@@ -414,6 +420,7 @@ class KVIndex:
         self, item: tuple[float, str, _Worker, list[int], list[int]], *, force: bool
     ) -> None:
         until_s, _, w, added, ends = item
+        self._num_queued -= len(added) + len(ends)
         for h in added:
             u = w.pred.get(h)
             # NOTE: an entry renewed by a later prediction stays (unless the cap forces it out)
