@@ -36,8 +36,11 @@ from gateway.request_id import (
     remove_log_filter,
     request_id_middleware,
 )
+from gateway.routing.index import DEFAULT_MAX_PAGES
+from gateway.routing.registry import ROUTER_NAMES
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+DEFAULT_ROUTER = "agentgate"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,10 @@ class GatewayConfig:
         ``heartbeat_s``) is marked dead; its requests fail over or end with an error.
     first_token_timeout_s, idle_timeout_s: a request aborts (504) when its first token, or its
         next one, takes longer.
+    router: the routing policy (``gateway.routing.registry.ROUTER_NAMES``; ``--router``).
+    index_max_pages: the bound of the router's KV index (page entries over all workers).
+    admission: queue requests per worker by uncached length and cache hits, and pass the
+        priority to the engine (``--no-admission`` turns it off).
     """
 
     model_dir: Path
@@ -79,6 +86,9 @@ class GatewayConfig:
     dead_after_s: float = 3.0
     first_token_timeout_s: float = 60.0
     idle_timeout_s: float = 30.0
+    router: str = DEFAULT_ROUTER
+    index_max_pages: int = DEFAULT_MAX_PAGES
+    admission: bool = True
 
     def __post_init__(self) -> None:
         assert self.workers, "GatewayConfig needs at least one worker endpoint"
@@ -87,6 +97,8 @@ class GatewayConfig:
         assert self.retain_ttl_s >= 0, f"{self.retain_ttl_s=}"
         assert 0 < self.heartbeat_s < self.dead_after_s, f"{self}: 0 < heartbeat_s < dead_after_s"
         assert min(self.first_token_timeout_s, self.idle_timeout_s) > 0, f"{self}: timeouts > 0"
+        assert self.router in ROUTER_NAMES, f"router={self.router!r}: one of {ROUTER_NAMES}"
+        assert self.index_max_pages > 0, f"{self.index_max_pages=}"
 
 
 def create_app(cfg: GatewayConfig) -> Litestar:

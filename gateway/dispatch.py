@@ -1,11 +1,21 @@
 """The ``Dispatcher``: routes requests over the ``WorkerClient``s (``gateway.worker_client``), one
 per engine worker. This module re-exports the client and the errors (``gateway.dispatch_errors``).
 
-Routing: a session stays on its worker while that worker is alive. Otherwise (a new session, a
-request without one, or a session whose worker is gone) the dispatcher picks the live worker with
-the fewest requests in flight; on a tie, the one with the fewest sessions assigned, then the next
-in round-robin order after the last pick (so that sessions started one at a time, when no worker
-has load yet, spread over the workers instead of all landing on the first one).
+Routing: with a ``router`` (``gateway.routing``; ``agentgate serve --router``, default
+"agentgate"), the dispatcher asks it: the candidates are the live workers not excluded (a retry's
+tried ones), the request a ``RouteRequest`` (prompt page hashes, affinity key; see
+``gateway.generation.route_request``), and the router hears of each attempt's dispatch, first
+token and end (also on errors, aborts and retries). ``gateway.router_link`` keeps its worker set
+and KV index in step with the workers. With a session store (``affinity``), the worker an
+affinity key was last sent to is read from it (``RouteRequest.sticky_worker``) and the decision
+written back, so gateway replicas sharing a Redis store keep a session's turns on one worker.
+With an ``AdmissionGate``, a routed request waits for admission before it is sent, with the
+priority admission gives it (``Generate.priority``).
+
+Without a router (``router=None``, the built-in policy): a session stays on its worker while
+that worker is alive. Otherwise the dispatcher picks the live worker with the fewest requests in
+flight; on a tie, the one with the fewest sessions assigned, then the next in round-robin order
+after the last pick (so that sessions started one at a time spread over the workers).
 
 Retries: a request moves to another worker (at most ``max_retries`` times) only when it failed
 for a reason of the worker's, before it streamed a token:
@@ -28,15 +38,19 @@ never be taken for one of the retry's.
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from engine.protocol import Generate, TokenDelta
+from gateway.affinity import SharedAffinity
+from gateway.builtin_policy import BuiltinPolicy
 from gateway.dispatch_errors import (
     DispatchError,
     DispatchTimeout,
@@ -46,13 +60,20 @@ from gateway.dispatch_errors import (
     WorkerDead,
     WorkerError,
 )
-from gateway.metrics import StreamStats
+from gateway.metrics import RoutingStats, StreamStats
+from gateway.router_link import RouterFactory, RouterLink
+from gateway.routing.chain import DEFAULT_MAX_KEYS, PrefixHasher
+from gateway.routing.index import DEFAULT_MAX_PAGES
+from gateway.routing.types import Decision, RouteRequest, WorkerInfo
 from gateway.worker_client import StreamItem, WorkerClient
 
+if TYPE_CHECKING:
+    from gateway.admission_gate import AdmissionGate
+
 __all__ = [
-    "DispatchError", "DispatchTimeout", "Dispatcher", "HandshakeError", "NoWorkerAvailable",
-    "StreamItem", "StreamOverflow", "WorkerClient", "WorkerDead", "WorkerError", "WorkersBusy",
-    "is_retryable",
+    "DispatchError", "DispatchTimeout", "Dispatcher", "HandshakeError",
+    "NoWorkerAvailable", "StreamItem", "StreamOverflow", "WorkerClient", "WorkerDead",
+    "WorkerError", "WorkersBusy", "is_retryable",
 ]
 
 logger = logging.getLogger(__name__)
@@ -62,26 +83,45 @@ RETRYABLE_CODES = frozenset({"overloaded"})
 
 
 class WorkersBusy(DispatchError):
-    """Every live worker refused the request as overloaded (their queues are full): the client
-    should retry later (429 + Retry-After)."""
+    """Every live worker refused the request as overloaded (their queues are full), or the
+    admission queue is full: the client should retry later (429 + Retry-After).
+
+    Attributes:
+        retry_after_s: when to retry, when known (admission's drain-rate estimate)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class Dispatcher:
     """Routes requests over several ``WorkerClient``s (see the module docstring).
 
     Args:
+        router: a ``gateway.routing`` policy name (``make_router``), a factory of a router over
+            the KV index, or None for the built-in policy.
+        router_options: the router's constructor keywords (with a name).
+        index_max_pages: the KV index's bound (with a router).
+        admission: the admission gate (None: requests are sent as soon as they are routed).
         max_retries: how many other workers a request may move to (see the retry table).
         max_sessions: the bound of the session -> worker map (least recently used go first).
         retry_wait_s: how long a retry waits for a live worker when none is left.
 
     Attributes:
         num_retries: retries by reason ("worker_lost", "overloaded").
+        routing: routing decisions and per-worker counters (``/metrics``).
+        affinity: the affinity key -> worker store shared by replicas (set by the sessions
+            lifespan; ``gateway.affinity``).
     """
 
     def __init__(
         self,
         clients: Iterable[WorkerClient],
         *,
+        router: str | RouterFactory | None = None,
+        router_options: dict[str, Any] | None = None,
+        index_max_pages: int = DEFAULT_MAX_PAGES,
+        admission: "AdmissionGate | None" = None,
         max_retries: int = 2,
         max_sessions: int = 100_000,
         retry_wait_s: float = 10.0,
@@ -93,10 +133,14 @@ class Dispatcher:
         self.max_sessions = max_sessions
         self.retry_wait_s = retry_wait_s
         self.stats = StreamStats()
+        self.routing = RoutingStats()
         self.num_retries: Counter[str] = Counter()
-        self._sessions: OrderedDict[str, WorkerClient] = OrderedDict()
-        self._num_sessions: Counter[WorkerClient] = Counter()  # NOTE: of each worker
-        self._next = 0  # NOTE: where the round robin of ties starts
+        self.affinity: SharedAffinity | None = None
+        self.gate = admission
+        self.link = self._link(router, router_options or {}, index_max_pages)
+        self._builtin = BuiltinPolicy(self.clients, max_sessions)
+        self.max_hasher_keys = min(max_sessions, DEFAULT_MAX_KEYS)
+        self._hasher: PrefixHasher | None = None
         # NOTE: wire request id -> the worker that finished it, for Retain (bounded, LRU)
         self._finished_on: OrderedDict[str, WorkerClient] = OrderedDict()
         self._finished_wire_id: dict[str, str] = {}
@@ -104,75 +148,90 @@ class Dispatcher:
         for client in self.clients:
             client.alive_listeners.append(self._wake)
 
+    @property
+    def router_name(self) -> str:
+        return BuiltinPolicy.name if self.link is None else self.link.name
+
+    @property
+    def page_size(self) -> int | None:
+        """The workers' page size (the router's index); None before any worker answered."""
+        index = None if self.link is None else self.link.index
+        return None if index is None else index.page_size
+
+    @property
+    def hasher(self) -> PrefixHasher | None:
+        """The page hasher of the requests' routes (None without a router, or before a worker
+        announced its page size)."""
+        if self._hasher is None and (page_size := self.page_size) is not None:
+            self._hasher = PrefixHasher(page_size, self.max_hasher_keys)
+        return self._hasher
+
+    @property
+    def index_pages(self) -> int:
+        index = None if self.link is None else self.link.index
+        return 0 if index is None else index.num_pages
+
+    @property
+    def index_workers(self) -> int:
+        feed = None if self.link is None else self.link.feed
+        return 0 if feed is None else feed.num_subscribers
+
     def pick(
         self, session_id: str | None = None, exclude: Iterable[WorkerClient] = ()
     ) -> WorkerClient:
-        """The session's worker if it is alive, else the least loaded live worker (ties: fewest
-        sessions, then round robin).
+        """Where a request of ``session_id`` would go now: the router's pick (a request of no
+        tokens), or the built-in policy's (the session's worker if it is alive, else the least
+        loaded live worker; ties: fewest sessions, then round robin).
 
         Raises:
             NoWorkerAvailable: every worker is dead or excluded.
         """
-        excluded = set(exclude)
-        if (sticky := self._sticky(session_id, excluded)) is not None:
-            return sticky
-        n = len(self.clients)
-        live = [i for i, c in enumerate(self.clients) if c.is_alive and c not in excluded]
-        if not live:
-            raise NoWorkerAvailable(f"no live worker among {n}")
-        best = min(live, key=lambda i: (self.clients[i].num_in_flight,
-                                        self._num_sessions[self.clients[i]], (i - self._next) % n))
-        self._next = (best + 1) % n
-        client = self.clients[best]
-        if session_id is not None:
-            self._remember(session_id, client)
-        return client
+        route = RouteRequest(request_id="pick", num_tokens=0, affinity_key=session_id)
+        return self._choose(route, set(exclude))[0]
 
-    async def generate(self, request: Generate, **timeouts: float) -> AsyncIterator[StreamItem]:
-        """``WorkerClient.generate`` on ``pick(request.session_id)``, moved to another worker
+    async def generate(
+        self, request: Generate, route: RouteRequest | None = None, **timeouts: float
+    ) -> AsyncIterator[StreamItem]:
+        """``WorkerClient.generate`` on the worker the router picks for ``route`` (default:
+        the request's session id as its affinity key, no page hashes), moved to another worker
         as the retry table says.
 
         Raises:
             WorkerDead: with ``started=True``, or when every retry's worker was lost too.
-            WorkersBusy: every live worker was overloaded.
+            WorkersBusy: every live worker was overloaded, or the admission queue is full.
             NoWorkerAvailable, WorkerError, DispatchTimeout, ...: as ``WorkerClient.generate``.
         """
+        route = route or default_route(request)
+        if self.link is not None and self.affinity is not None:
+            await self.affinity.load(route)
         tried: list[tuple[WorkerClient, int]] = []  # NOTE: (client, its epoch when tried)
         last_error: DispatchError | None = None
-        stats = self.stats
-        # NOTE: token timings mean something only when the worker sends every step's tokens
-        timed = request.stream_interval_s == 0
-        last_s = time.perf_counter()  # NOTE: the dispatch time, then the last delta's
         for attempt in itertools.count():
-            client = await self._pick_for_attempt(request.session_id, tried, last_error)
+            wire, attempt_route = request, route
+            if attempt:
+                retry_id = f"{request.request_id}.retry{attempt}"
+                wire = msgspec.structs.replace(request, request_id=retry_id)
+                attempt_route = dataclasses.replace(route, request_id=retry_id)
+            client, decision = await self._pick_for_attempt(attempt_route, tried, last_error)
             tried.append((client, client.epoch))
+            if self.link is not None and self.affinity is not None:
+                self.affinity.decided(route, decision.worker_id)
             if last_error is not None:
                 reason = "overloaded" if isinstance(last_error, WorkerError) else "worker_lost"
                 self.num_retries[reason] += 1
-            wire = request if attempt == 0 else msgspec.structs.replace(
-                request, request_id=f"{request.request_id}.retry{attempt}")
-            started = False
             try:
-                async with contextlib.aclosing(client.generate(wire, **timeouts)) as stream:
+                async with contextlib.aclosing(
+                    self._attempt(client, decision, wire, attempt_route, timeouts)
+                ) as stream:
                     async for item in stream:
-                        now_s = time.perf_counter()
-                        if type(item) is TokenDelta:
-                            if timed:
-                                (stats.itl if started else stats.ttft).observe(now_s - last_s)
-                            last_s = now_s
-                        else:
-                            stats.finished(item)
-                            self._note_finished(item.request_id, client)
-                        started = True
                         yield item
                 return
-            except (WorkerDead, WorkerError) as exc:
-                if started or not is_retryable(exc):
-                    raise
+            except _Retry as retry:
+                exc = retry.error
                 if attempt >= self.max_retries:
                     if isinstance(exc, WorkerError):
                         raise WorkersBusy(f"every worker tried is overloaded: {exc}") from exc
-                    raise
+                    raise exc from None
                 last_error = exc
                 logger.warning("retrying %s elsewhere: %s", request.request_id, exc)
 
@@ -185,6 +244,98 @@ class Dispatcher:
             return False
         return client.retain(self._finished_wire_id.get(request_id, request_id), ttl_s)
 
+    async def close(self) -> None:
+        """Stop the KV event subscribers and wait for the affinity writes still running."""
+        if self.affinity is not None:
+            await self.affinity.settle()
+        if self.link is not None:
+            await self.link.close()
+
+    # ---------------------------------------------------------------- one attempt
+
+    async def _attempt(
+        self,
+        client: WorkerClient,
+        decision: Decision,
+        wire: Generate,
+        route: RouteRequest,
+        timeouts: dict[str, float],
+    ) -> AsyncIterator[StreamItem]:
+        """Admit (when gated) and send ``wire`` to ``client``; the router hears of its dispatch,
+        first token and end. A failure the retry table retries is raised as ``_Retry``."""
+        stats = self.stats
+        # NOTE: token timings mean something only when the worker sends every step's tokens
+        timed = wire.stream_interval_s == 0
+        last_s = time.perf_counter()  # NOTE: the dispatch time, then the last delta's
+        wid = self.link.worker_id(client) if self.link is not None else None
+        rid = wire.request_id
+        try:
+            wire = await self._admit(wire, route, wid, decision)
+            if wid is not None:
+                self.link.dispatched(route, wid)  # type: ignore[union-attr]
+            self.routing.decided(self.router_name, decision.reason, client.endpoint)
+            started = False
+            try:
+                async with contextlib.aclosing(client.generate(wire, **timeouts)) as stream:
+                    async for item in stream:
+                        now_s = time.perf_counter()
+                        if type(item) is TokenDelta:
+                            if timed:
+                                (stats.itl if started else stats.ttft).observe(now_s - last_s)
+                            last_s = now_s
+                            if not started:
+                                self._first_token(rid, wid)
+                        else:
+                            stats.finished(item)
+                            self.routing.finished(client.endpoint, item)
+                            self._note_finished(item.request_id, client)
+                        started = True
+                        yield item
+            except (WorkerDead, WorkerError) as exc:
+                if started or not is_retryable(exc):
+                    raise
+                raise _Retry(exc) from exc
+        finally:
+            self._ended(rid, wid)
+
+    async def _admit(
+        self, wire: Generate, route: RouteRequest, wid: str | None, decision: Decision
+    ) -> Generate:
+        """``wire`` with the priority admission gives it, once admitted (no gate: as is).
+
+        Raises:
+            WorkersBusy: the admission queue is full (with admission's Retry-After).
+        """
+        if self.gate is None or wid is None:
+            return wire
+        from gateway.routing.admission import QueueFull, Ticket
+
+        ticket = Ticket(
+            request_id=wire.request_id, worker_id=wid, tenant=route.tenant,
+            num_tokens=route.num_tokens, cached_tokens=decision.cached_tokens,
+            arrival_s=time.monotonic(),
+        )
+        try:
+            await self.gate.admit(ticket)
+        except QueueFull as exc:
+            raise WorkersBusy(f"admission queue full: {exc}", exc.retry_after_s) from exc
+        if ticket.priority == wire.priority:
+            return wire
+        return msgspec.structs.replace(wire, priority=ticket.priority)
+
+    def _first_token(self, rid: str, wid: str | None) -> None:
+        if wid is not None and self.link is not None:
+            self.link.first_token(rid)
+        if self.gate is not None and wid is not None:
+            self.gate.started(rid)
+
+    def _ended(self, rid: str, wid: str | None) -> None:
+        """NOTE: on every end: finished, failed, aborted, retried, refused by admission."""
+        if wid is not None and self.link is not None:
+            self.link.finished(rid)
+        if self.gate is not None and wid is not None:
+            self.gate.done(rid)
+
     def _note_finished(self, wire_id: str, client: WorkerClient) -> None:
         base = wire_id.split(".retry", 1)[0]
         for key in {base, wire_id}:
@@ -195,12 +346,14 @@ class Dispatcher:
             key, _ = self._finished_on.popitem(last=False)
             self._finished_wire_id.pop(key, None)
 
+    # ---------------------------------------------------------------- picking
+
     async def _pick_for_attempt(
         self,
-        session_id: str | None,
+        route: RouteRequest,
         tried: list[tuple[WorkerClient, int]],
         last_error: DispatchError | None,
-    ) -> WorkerClient:
+    ) -> tuple[WorkerClient, Decision]:
         """The first attempt's worker, or a retry's: never one that failed this request and
         has not come back since. A retry after a lost worker waits for one to come up.
 
@@ -209,15 +362,28 @@ class Dispatcher:
         """
         deadline = time.monotonic() + self.retry_wait_s
         while True:
-            excluded = [c for c, epoch in tried if c.epoch == epoch]
+            excluded = {c for c, epoch in tried if c.epoch == epoch}
             try:
-                return self.pick(session_id, exclude=excluded)
+                return self._choose(route, excluded)
             except NoWorkerAvailable as exc:
                 if isinstance(last_error, WorkerError):
                     raise WorkersBusy(f"every live worker is overloaded: {last_error}") from exc
                 if last_error is None or (left_s := deadline - time.monotonic()) <= 0:
                     raise
             await self._some_worker_alive(left_s)
+
+    def _choose(
+        self, route: RouteRequest, excluded: set[WorkerClient]
+    ) -> tuple[WorkerClient, Decision]:
+        live = [c for c in self.clients if c.is_alive and c not in excluded]
+        if not live:
+            raise NoWorkerAvailable(f"no live worker among {len(self.clients)}")
+        if self.link is None:
+            return self._builtin.pick(route.affinity_key, live)
+        picked = self.link.route(route, live)
+        if picked is None:
+            raise NoWorkerAvailable(f"no routable worker among {len(live)} live")
+        return picked
 
     async def _some_worker_alive(self, timeout_s: float) -> None:
         """Return when a worker turns alive (or after ``timeout_s``).
@@ -240,23 +406,46 @@ class Dispatcher:
                 waiter.set_result(None)
         self._alive_waiters.clear()
 
-    def _sticky(self, session_id: str | None, excluded: set[WorkerClient]) -> WorkerClient | None:
-        if session_id is None or (client := self._sessions.get(session_id)) is None:
+    def _link(self, router: str | RouterFactory | None, options: dict[str, Any],
+              max_pages: int) -> RouterLink | None:
+        if router is None:
             return None
-        if not client.is_alive or client in excluded:
-            return None
-        self._sessions.move_to_end(session_id)
-        return client
+        if isinstance(router, str):
+            from gateway.routing.registry import make_router
 
-    def _remember(self, session_id: str, client: WorkerClient) -> None:
-        if (previous := self._sessions.get(session_id)) is not None:
-            self._num_sessions[previous] -= 1
-        self._sessions[session_id] = client
-        self._num_sessions[client] += 1
-        self._sessions.move_to_end(session_id)
-        if len(self._sessions) > self.max_sessions:
-            _, evicted = self._sessions.popitem(last=False)
-            self._num_sessions[evicted] -= 1
+            name = router
+            factory: RouterFactory = lambda index: make_router(name, index, **options)  # noqa: E731
+        else:
+            factory, name = router, getattr(router, "name", "custom")
+        return RouterLink(self.clients, factory, name, index_max_pages=max_pages,
+                          on_worker_added=self._admission_add,
+                          on_worker_removed=self._admission_remove)
+
+    def _admission_add(self, worker_id: str, info: WorkerInfo) -> None:
+        if self.gate is not None:
+            self.gate.add_worker(worker_id, info.cost, info.max_batched_tokens)
+
+    def _admission_remove(self, worker_id: str) -> None:
+        if self.gate is not None:
+            self.gate.remove_worker(worker_id)
+
+
+class _Retry(Exception):
+    """An attempt failed in a way the retry table retries."""
+
+    def __init__(self, error: WorkerDead | WorkerError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def default_route(request: Generate) -> RouteRequest:
+    """The ``RouteRequest`` of a request nobody built one for: its session id as the affinity
+    key, no page hashes (the router goes by affinity and load)."""
+    return RouteRequest(
+        request_id=request.request_id, num_tokens=len(request.input_ids),
+        affinity_key=request.session_id, tenant=request.cache_salt or "",
+        max_new_tokens=request.sampling.max_new_tokens,
+    )
 
 
 def is_retryable(exc: DispatchError) -> bool:
@@ -265,4 +454,3 @@ def is_retryable(exc: DispatchError) -> bool:
     if isinstance(exc, WorkerDead):
         return not exc.started
     return isinstance(exc, WorkerError) and exc.code in RETRYABLE_CODES
-

@@ -22,6 +22,7 @@ Log lines name the request (``gateway.request_id``).
 """
 
 import logging
+import math
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
@@ -62,6 +63,8 @@ def dispatch_error(request: Request | None, exc: DispatchError) -> Response[Erro
     retry_after = {"Retry-After": str(RETRY_AFTER_S)}
     if isinstance(exc, WorkersBusy) or (isinstance(exc, WorkerError) and exc.code == "overloaded"):
         body = error_body(str(exc), type="rate_limit_error", code="overloaded")
+        if getattr(exc, "retry_after_s", None) is not None:  # NOTE: admission's drain estimate
+            retry_after = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
         return _json(body, 429, retry_after)
     if isinstance(exc, NoWorkerAvailable):
         return _json(error_body(str(exc), type="service_unavailable"), 503, retry_after)

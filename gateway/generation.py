@@ -32,6 +32,8 @@ from gateway.dispatch import Dispatcher, StreamItem
 from gateway.lifespan import ModelState
 from gateway.logprobs import TokenTexts, chat_logprobs
 from gateway.metrics import StreamStats
+from gateway.routing.chain import routable_hashes
+from gateway.routing.types import RouteRequest
 from gateway.schemas import (
     ChunkDelta,
     FunctionCall,
@@ -43,6 +45,7 @@ from gateway.schemas import (
     ToolCallDelta,
     Usage,
 )
+from gateway.tenancy import ANONYMOUS
 from gateway.tokenizer import StreamDecoder
 from gateway.tool_parser import (
     ContentDelta,
@@ -159,6 +162,34 @@ def build_generate(
     )
 
 
+def route_request(
+    dispatcher: Dispatcher, generate: Generate, affinity_key: str | None = None
+) -> RouteRequest:
+    """What the router needs to place ``generate``: its routable page hashes (salted by its
+    ``cache_salt``, computed incrementally per affinity key) and its affinity key.
+
+    The affinity key is ``affinity_key`` (the OpenAI path's hint: a session header,
+    ``prompt_cache_key`` or ``user``; see ``gateway.affinity_keys``), else the request's session
+    id (a Sessions API turn), prefixed by the tenant so that tenants never share one.
+    """
+    tenant = generate.cache_salt or ANONYMOUS
+    if affinity_key is None and generate.session_id is not None:
+        affinity_key = f"session:{generate.session_id}"
+    key = None if affinity_key is None else f"{tenant}/{affinity_key}"
+    num_tokens = len(generate.input_ids)
+    hasher = dispatcher.hasher
+    hashes: Sequence[int] = ()
+    if hasher is not None:
+        hashes = routable_hashes(
+            hasher.hashes(generate.input_ids, generate.cache_salt, key), num_tokens,
+            hasher.page_size)
+    return RouteRequest(
+        request_id=generate.request_id, num_tokens=num_tokens, page_hashes=hashes,
+        affinity_key=key, tenant=generate.cache_salt or "",
+        max_new_tokens=generate.sampling.max_new_tokens,
+    )
+
+
 def check_context(model: ModelState, num_prompt_tokens: int, param: str) -> int:
     """Tokens left for the completion; raises ``RequestError`` when there are none."""
     left = model.max_context - num_prompt_tokens
@@ -170,9 +201,12 @@ def check_context(model: ModelState, num_prompt_tokens: int, param: str) -> int:
     return left
 
 
-async def start(dispatcher: Dispatcher, generate: Generate) -> Started:
-    """Send ``generate`` and wait for its first item; a ``DispatchError`` propagates."""
-    stream = dispatcher.generate(generate)
+async def start(
+    dispatcher: Dispatcher, generate: Generate, affinity_key: str | None = None
+) -> Started:
+    """Send ``generate`` (routed by ``route_request``) and wait for its first item; a
+    ``DispatchError`` propagates."""
+    stream = dispatcher.generate(generate, route_request(dispatcher, generate, affinity_key))
     try:
         first = await anext(stream)
     except BaseException:

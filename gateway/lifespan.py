@@ -1,6 +1,7 @@
 """One lifespan per resource the app holds on ``app.state``: the model (tokenizer, prompt cache,
-context length), the dispatcher over the workers and the session store. Each is opened at
-startup and closed at shutdown; nothing lives in module globals."""
+context length), the dispatcher over the workers (its router, KV index and admission gate) and
+the session store (which also keeps the affinity keys' workers for the dispatcher). Each is
+opened at startup and closed at shutdown; nothing lives in module globals."""
 
 import asyncio
 import json
@@ -14,6 +15,7 @@ from typing import Any
 from litestar import Litestar
 from litestar.datastructures import State
 
+from gateway.affinity import SharedAffinity
 from gateway.dispatch import Dispatcher, WorkerClient
 from gateway.prompt_cache import PromptCache
 from gateway.tokenizer import Tokenizer
@@ -76,16 +78,32 @@ async def dispatcher_lifespan(app: Litestar) -> AsyncIterator[None]:
         )
         for endpoint in cfg.workers
     ]
+    # NOTE: made before the clients start, so that the router hears of every Welcome
+    dispatcher = Dispatcher(
+        clients, router=cfg.router, index_max_pages=cfg.index_max_pages,
+        admission=_admission_gate(cfg),
+    )
     for client in clients:
         client.start()
     await _await_welcomes(clients, STARTUP_GRACE_S)
-    app.state.dispatcher = Dispatcher(clients)
+    app.state.dispatcher = dispatcher
     try:
         yield
     finally:
         for client in clients:
             client.close()
+        await dispatcher.close()  # NOTE: joins the KV event subscribers' threads
         del app.state.dispatcher
+
+
+def _admission_gate(cfg: Any) -> Any:
+    """The admission gate of ``cfg`` (None when ``cfg.admission`` is off)."""
+    if not cfg.admission:
+        return None
+    from gateway.admission_gate import AdmissionGate
+    from gateway.routing.admission import Admission
+
+    return AdmissionGate(Admission())
 
 
 async def _await_welcomes(clients: list[WorkerClient], timeout_s: float) -> None:
@@ -138,6 +156,9 @@ async def sessions_lifespan(app: Litestar) -> AsyncIterator[None]:
     app.state.sessions = state = SessionsState(
         SessionManager(store), prompter, cfg.retain_ttl_s, max_token_chars(tokenizer)
     )
+    dispatcher = app.state.dispatcher
+    if hasattr(store, "get_affinity"):  # NOTE: a store without it: each replica on its own
+        dispatcher.affinity = SharedAffinity(store)
     try:
         yield
     finally:
@@ -145,6 +166,9 @@ async def sessions_lifespan(app: Litestar) -> AsyncIterator[None]:
             await asyncio.wait(state.background, timeout=SHUTDOWN_TIMEOUT_S)
         for task in state.leases:
             task.cancel()
+        if dispatcher.affinity is not None:
+            await dispatcher.affinity.settle()
+            dispatcher.affinity = None
         await store.close()
         del app.state.sessions
 

@@ -18,6 +18,10 @@ one observation per token delta. Everything runs on the gateway's event loop, so
     | worker_running_requests, worker_waiting_requests | gauge | worker       | LoadReport    |
     | worker_{reconnects,new_instances}_total    | counter   | worker           | WorkerClient  |
     | dispatch_retries_total                     | counter   | reason           | Dispatcher    |
+    | worker_requests_total                      | counter   | worker           | Dispatcher    |
+    | worker_{prompt,cached_prompt,generated}_tokens_total | counter | worker | Finished      |
+    | routing_decisions_total                    | counter   | router, reason   | Router        |
+    | routing_index_pages, routing_index_workers | gauge     |                  | KVIndex       |
     | prompt_cache_{hits,misses,fallbacks,evictions,reused_tokens}_total | counter | | PromptCache |
     | prompt_cache_entries, prompt_cache_tokens  | gauge     |                  | PromptCache   |
     | sessions_{created,deleted}_total           | counter   |                  | SessionManager |
@@ -43,6 +47,8 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+
+from gateway.routing.types import REASONS
 
 if TYPE_CHECKING:
     from engine.protocol import Finished
@@ -109,6 +115,50 @@ class StreamStats:
         self.generated_tokens += item.completion_tokens
         if item.prompt_tokens:
             self.cached_ratio.observe(item.cached_tokens / item.prompt_tokens)
+
+
+class WorkerTokens:
+    """One worker's request and token counters (``RoutingStats.workers``)."""
+
+    __slots__ = ("requests", "prompt_tokens", "cached_tokens", "generated_tokens")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.generated_tokens = 0
+
+
+class RoutingStats:
+    """What the ``Dispatcher`` counts per routing decision and per worker.
+
+    Attributes:
+        decisions: (router name, reason) -> requests routed so (every attempt, retries too).
+        workers: worker label (its endpoint) -> its counters: requests sent to it (every
+            attempt), and the prompt, cached and generated tokens of those that finished there.
+    """
+
+    __slots__ = ("decisions", "workers")
+
+    def __init__(self) -> None:
+        self.decisions: dict[tuple[str, str], int] = {}
+        self.workers: dict[str, WorkerTokens] = {}
+
+    def decided(self, router: str, reason: str, worker: str) -> None:
+        key = (router, reason)
+        self.decisions[key] = self.decisions.get(key, 0) + 1
+        self.worker(worker).requests += 1
+
+    def finished(self, worker: str, item: Finished) -> None:
+        tokens = self.worker(worker)
+        tokens.prompt_tokens += item.prompt_tokens
+        tokens.cached_tokens += item.cached_tokens
+        tokens.generated_tokens += item.completion_tokens
+
+    def worker(self, worker: str) -> WorkerTokens:
+        if (tokens := self.workers.get(worker)) is None:
+            tokens = self.workers[worker] = WorkerTokens()
+        return tokens
 
 
 class HttpStats:
@@ -240,6 +290,41 @@ class GatewayMetrics:
         for reason in ("worker_lost", "overloaded"):
             retries.add_metric([reason], self.dispatcher.num_retries[reason])
         yield retries
+        yield from self._routing()
+
+    def _routing(self) -> Iterator[Metric]:
+        """Per-worker counters (a worker's label: its endpoint, as ``worker_up``), routing
+        decisions by router and reason, and the KV index's size."""
+        routing = self.dispatcher.routing
+        labels = ["worker"]
+        requests = _counter("worker_requests", "Requests sent to the worker (retries too)",
+                            labels)
+        prompt = _counter("worker_prompt_tokens", "Prompt tokens of requests finished on the "
+                          "worker", labels)
+        cached = _counter("worker_cached_prompt_tokens", "Prompt tokens of requests finished on "
+                          "the worker that its prefix cache served", labels)
+        generated = _counter("worker_generated_tokens", "Completion tokens of requests finished "
+                             "on the worker", labels)
+        for worker, tokens in sorted(routing.workers.items()):
+            requests.add_metric([worker], tokens.requests)
+            prompt.add_metric([worker], tokens.prompt_tokens)
+            cached.add_metric([worker], tokens.cached_tokens)
+            generated.add_metric([worker], tokens.generated_tokens)
+        yield from (requests, prompt, cached, generated)
+        decisions = _counter("routing_decisions", "Routing decisions by router and reason "
+                             "(affinity, prefix, load, moved_for_load, cold)", ["router", "reason"])
+        router = self.dispatcher.router_name
+        for reason in REASONS:  # NOTE: every reason of the router in use, 0 until it happens
+            routing.decisions.setdefault((router, reason), 0)
+        for (name, reason), n in sorted(routing.decisions.items()):
+            decisions.add_metric([name, reason], n)
+        yield decisions
+        yield _gauge("routing_index_pages", "KV pages the router's index holds over all "
+                     "workers", value=self.dispatcher.index_pages)
+        yield _gauge("routing_index_workers", "Workers whose KV events feed the index",
+                     value=self.dispatcher.index_workers)
+        if (gate := self.dispatcher.gate) is not None:
+            yield from gate.collect()  # NOTE: agentgate_admission_* (gateway.admission_gate)
 
     def _prompt_cache(self) -> Iterator[Metric]:
         cache = self.prompt_cache

@@ -125,9 +125,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def _spawner(model_dir: Path, backend: str, worker_args: Sequence[str]) -> Any:
     def spawn(worker_id: str, listen: str, events: str, cancel: threading.Event
               ) -> WorkerProcess:
+        # NOTE: a replay socket lets the router's index fill a gap in the KV events; a
+        # restarted worker binds a new free port and announces it in its Welcome
         return spawn_worker(model_dir=model_dir, backend=backend, worker_id=worker_id,
                             extra_args=worker_args, listen=listen, events=events,
-                            die_with_parent=True, cancel=cancel)
+                            die_with_parent=True, cancel=cancel, replay=ANY_PORT)
 
     return spawn
 

@@ -38,7 +38,6 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from engine.protocol import (
     PROTOCOL_VERSION,
@@ -57,14 +56,15 @@ from engine.protocol import (
     decode_worker,
     encode,
 )
+from gateway.connection_monitor import ConnectionMonitor
 from gateway.dispatch_errors import (
     DispatchError,
     DispatchTimeout,
     HandshakeError,
-    StreamOverflow,
     WorkerDead,
     WorkerError,
 )
+from gateway.request_stream import RequestStream
 
 logger = logging.getLogger(__name__)
 
@@ -73,19 +73,7 @@ RECONNECT_IVL_MS = 100  # NOTE: ZeroMQ's first reconnect delay, doubled on each 
 RECONNECT_IVL_MAX_MS = 2000  # ... up to this
 HELLO_RETRY_MAX_S = 5.0
 CLOSE_LINGER_MS = 1000
-_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 _client_ids = itertools.count()
-
-
-class _Stream:
-    """The routing state of one in-flight request."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[TokenDelta | Finished | ErrorReply | DispatchError] = (
-            asyncio.Queue()
-        )
-        self.started = False
-        self.overflowed = False
 
 
 class WorkerClient:
@@ -104,6 +92,9 @@ class WorkerClient:
         num_reconnects: times the worker was alive again after being lost.
         num_new_instances: times another ``instance_id`` answered on the endpoint.
         alive_listeners: called (no arguments) each time the client turns alive.
+        lost_listeners: called (no arguments) each time an alive client is lost (connection
+            lost, silent, another instance answered) or closed.
+        load_listeners: called with each ``LoadReport`` of an alive worker (heartbeats).
     """
 
     def __init__(
@@ -137,11 +128,13 @@ class WorkerClient:
         self.num_reconnects = 0
         self.num_new_instances = 0
         self.alive_listeners: list[Callable[[], None]] = []  # NOTE: called on turning alive
+        self.lost_listeners: list[Callable[[], None]] = []  # NOTE: called on losing it
+        self.load_listeners: list[Callable[[LoadReport], None]] = []
         self._sock: zmq.Socket[bytes] | None = None
-        self._monitor: zmq.Socket[bytes] | None = None
+        self._monitor: ConnectionMonitor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._welcome_waiters: list[asyncio.Future[Welcome]] = []
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         # NOTE: the worker answers GetLoads in order; None marks a heartbeat's report.
         self._load_waiters: deque[asyncio.Future[LoadReport] | None] = deque()
         self._tasks: list[asyncio.Task[None]] = []
@@ -171,11 +164,10 @@ class WorkerClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
-        self._monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+        self._monitor = ConnectionMonitor(sock, loop, self._on_connected, self._on_disconnected)
+        self._monitor.start()
         sock.connect(self.endpoint)
         loop.add_reader(sock.getsockopt(zmq.FD), self._drain)
-        loop.add_reader(self._monitor.getsockopt(zmq.FD), self._drain_monitor)
-        loop.call_soon(self._drain_monitor)  # NOTE: an event may have come before add_reader
         self._tasks = [loop.create_task(self._supervise())]
 
     async def connect(self) -> Welcome:
@@ -229,13 +221,15 @@ class WorkerClient:
         """
         rid = request.request_id
         self._check_can_send(rid)
-        stream = self._streams[rid] = _Stream()
+        stream = self._streams[rid] = RequestStream(rid)
         ended = False
         try:
             if not self._send(request):
                 raise WorkerDead(self.name, started=False)
             while True:
-                item = await self._next(stream, rid, first_token_timeout_s, idle_timeout_s)
+                item = await stream.next(
+                    first_token_timeout_s or self.first_token_timeout_s,
+                    idle_timeout_s or self.idle_timeout_s, self.name)
                 if isinstance(item, TokenDelta):
                     yield item
                     continue
@@ -287,23 +281,20 @@ class WorkerClient:
             task.cancel()
         self._tasks = []
         failed = self._fail_all(lambda _: DispatchError(f"client of {self.name} closed"))
-        if self.is_alive:
+        was_alive, self.is_alive = self.is_alive, False
+        if was_alive:
             for rid in failed:
                 self._send(Abort(request_id=rid))
-        self.is_alive = False
+            self._notify(self.lost_listeners)
         self._reject_welcome_waiters(HandshakeError(f"client of {self.endpoint} closed"))
         if self._sock is None:
             return
-        sockets = (self._sock, self._monitor)
+        if self._monitor is not None:
+            self._monitor.close()
         if self._loop is not None and not self._loop.is_closed():
-            for sock in sockets:
-                if sock is not None:
-                    self._loop.remove_reader(sock.getsockopt(zmq.FD))
-        self._sock.disable_monitor()
+            self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
         # NOTE: the linger lets the Aborts go out; close() itself never blocks
         self._sock.close(linger=CLOSE_LINGER_MS if failed else 0)
-        if self._monitor is not None:
-            self._monitor.close(linger=0)
         self._sock = self._monitor = None
 
     # ------------------------------------------------------------------ private: receive
@@ -330,13 +321,13 @@ class WorkerClient:
     def _route(self, msg: object) -> None:
         if type(msg) is TokenDelta:  # NOTE: the common case first
             if (stream := self._streams.get(msg.request_id)) is not None:
-                self._deliver(stream, msg)
+                stream.deliver(msg, self.max_pending_deltas)
         elif isinstance(msg, LoadReport):
             self._on_load(msg)
         elif isinstance(msg, TokenDelta | Finished | ErrorReply) and msg.request_id is not None:
             stream = self._streams.get(msg.request_id)
             if stream is not None:  # NOTE: None = a request we stopped waiting for
-                self._deliver(stream, msg)
+                stream.deliver(msg, self.max_pending_deltas)
         elif isinstance(msg, Welcome):
             self._on_welcome(msg)
         elif isinstance(msg, ErrorReply) and msg.code == "version_mismatch":
@@ -354,8 +345,7 @@ class WorkerClient:
                 logger.warning("worker %s at %s is back", msg.worker_id, self.endpoint)
             self.is_alive = self._was_alive = True
             self._hello_retry_s = self.heartbeat_s
-            for listener in self.alive_listeners:
-                listener()
+            self._notify(self.alive_listeners)
         for waiter in self._welcome_waiters:
             if not waiter.done():
                 waiter.set_result(msg)
@@ -364,6 +354,7 @@ class WorkerClient:
         self._check_instance(msg.instance_id, is_welcome=False)
         if self.is_alive:  # NOTE: no load gauges for a worker that is not alive
             self.last_load = msg
+            self._notify(self.load_listeners, msg)
         waiter = self._load_waiters.popleft() if self._load_waiters else None
         if waiter is not None and not waiter.done():
             waiter.set_result(msg)
@@ -389,32 +380,17 @@ class WorkerClient:
             self._send(Abort(request_id=rid))
         self._say_hello()
 
-    def _deliver(self, stream: _Stream, msg: TokenDelta | Finished | ErrorReply) -> None:
-        if stream.overflowed:
-            return
-        if isinstance(msg, TokenDelta):
-            stream.started = True
-            if stream.queue.qsize() >= self.max_pending_deltas:
-                stream.overflowed = True  # NOTE: generate()'s finally sends the Abort
-                msg = StreamOverflow(f"{msg.request_id}: over {self.max_pending_deltas} unread")
-        stream.queue.put_nowait(msg)
-
     # ------------------------------------------------------------------ private: connection
 
-    def _drain_monitor(self) -> None:
-        """Handle the socket monitor's events (edge-triggered FD, as ``_drain``)."""
-        monitor = self._monitor
-        while monitor is not None and monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
-            if event == zmq.EVENT_CONNECTED:
-                self._is_connected = True
-                self._say_hello()
-            elif event == zmq.EVENT_DISCONNECTED:
-                self._is_connected = False
-                self._expect_new_instance = True
-                if self.is_alive or self._streams:
-                    self._lose("lost its connection")
-            monitor = self._monitor
+    def _on_connected(self) -> None:
+        self._is_connected = True
+        self._say_hello()
+
+    def _on_disconnected(self) -> None:
+        self._is_connected = False
+        self._expect_new_instance = True
+        if self.is_alive or self._streams:
+            self._lose("lost its connection")
 
     async def _supervise(self) -> None:
         """Heartbeats while alive (and the silence check); Hellos while not."""
@@ -441,13 +417,23 @@ class WorkerClient:
         ``WorkerDead``. Returns their request ids."""
         logger.error("worker %s %s: %d requests in flight fail", self.name, why,
                      len(self._streams))
-        self.is_alive = False
+        was_alive, self.is_alive = self.is_alive, False
         self.last_load = None
         self.epoch += 1
         self._hello_retry_s = self.heartbeat_s
-        return self._fail_all(lambda s: WorkerDead(self.name, started=s.started))
+        failed = self._fail_all(lambda s: WorkerDead(self.name, started=s.started))
+        if was_alive:
+            self._notify(self.lost_listeners)
+        return failed
 
-    def _fail_all(self, error: Callable[[_Stream], DispatchError]) -> list[str]:
+    def _notify(self, listeners: list[Callable[..., None]], *args: object) -> None:
+        for listener in listeners:
+            try:
+                listener(*args)
+            except Exception:  # NOTE: a listener's bug must not break the connection's state
+                logger.exception("worker %s: a listener failed", self.name)
+
+    def _fail_all(self, error: Callable[[RequestStream], DispatchError]) -> list[str]:
         failed = list(self._streams)
         for stream in self._streams.values():
             stream.queue.put_nowait(error(stream))
@@ -464,21 +450,6 @@ class WorkerClient:
                 waiter.set_exception(exc)
 
     # ------------------------------------------------------------------ private: send
-
-    async def _next(
-        self, stream: _Stream, rid: str, first_s: float | None, idle_s: float | None
-    ) -> TokenDelta | Finished | ErrorReply | DispatchError:
-        if stream.started:
-            timeout_s, what = idle_s or self.idle_timeout_s, "next"
-        else:
-            timeout_s, what = first_s or self.first_token_timeout_s, "first"
-        if not stream.queue.empty():  # NOTE: no timer when the item is already here
-            return stream.queue.get_nowait()
-        try:
-            async with asyncio.timeout(timeout_s):  # NOTE: wait_for would start a Task per item
-                return await stream.queue.get()
-        except TimeoutError:
-            return DispatchTimeout(f"{rid}: no {what} token from {self.name} in {timeout_s} s")
 
     def _check_can_send(self, rid: str) -> None:
         if self._sock is None:

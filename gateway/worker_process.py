@@ -57,6 +57,7 @@ def spawn_worker(
     events: str = ANY_PORT,
     die_with_parent: bool = False,
     cancel: threading.Event | None = None,
+    replay: str | None = None,
 ) -> WorkerProcess:
     """Start a worker on ``listen``/``events`` (free ports by default) and wait (at most
     ``timeout_s``) for its start line.
@@ -67,6 +68,8 @@ def spawn_worker(
             before it stops the workers. Spawn such workers only from a thread that outlives
             them (see ``engine.worker.cli._die_with_parent``).
         cancel: give up (ServeError) as soon as it is set.
+        replay: the worker's KV event replay endpoint (``--replay``; ``ANY_PORT`` for a free
+            port, announced in its ``Welcome``); None: no replay (a router resyncs on a gap).
 
     Raises:
         ServeError: the worker exited, did not print its start line in time (its stderr), or
@@ -78,6 +81,8 @@ def spawn_worker(
         cmd += ["--model", str(model_dir)]
     if worker_id is not None:
         cmd += ["--worker-id", worker_id]
+    if replay is not None:
+        cmd += ["--replay", replay]
     if die_with_parent:
         cmd += ["--parent-pid", str(os.getpid())]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

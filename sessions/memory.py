@@ -1,7 +1,9 @@
 """``MemorySessionStore``: sessions in this process, bounded three ways: at most
 ``max_sessions`` and at most ``max_bytes`` in all (least recently used evicted first), none over
 ``max_session_bytes`` (refused, ``SessionTooLarge``), and none idle longer than ``idle_ttl_s``.
-Sizes are the msgpack encoding's, the same bytes the Redis store would keep. Not shared between
+Sizes are the msgpack encoding's, the same bytes the Redis store would keep. Affinity keys
+(``get_affinity``/``set_affinity``: a key's worker) are bounded by ``max_sessions`` and
+``idle_ttl_s`` too. Not shared between
 gateway replicas and lost on restart: use ``RedisSessionStore`` for either."""
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class MemorySessionStore:
         self.num_bytes = 0
         self.num_evicted = 0
         self.num_expired = 0
+        # NOTE: affinity key -> (worker id, last use); LRU first, bounded by max_sessions
+        self._affinity: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
     def __len__(self) -> int:
         self._expire()
@@ -101,8 +105,29 @@ class MemorySessionStore:
     async def ping(self) -> None:
         return None
 
+    async def get_affinity(self, key: str) -> str | None:
+        self._expire_affinity()
+        entry = self._affinity.get(key)
+        if entry is None:
+            return None
+        self._affinity[key] = (entry[0], self._clock())
+        self._affinity.move_to_end(key)
+        return entry[0]
+
+    async def set_affinity(self, key: str, worker_id: str) -> None:
+        self._expire_affinity()
+        self._affinity[key] = (worker_id, self._clock())
+        self._affinity.move_to_end(key)
+        while len(self._affinity) > self.max_sessions:
+            self._affinity.popitem(last=False)
+
+    @property
+    def num_affinity_keys(self) -> int:
+        return len(self._affinity)
+
     async def close(self) -> None:
         self._entries.clear()
+        self._affinity.clear()
         self.num_bytes = 0
 
     def _size_of(self, session: Session) -> int:
@@ -130,6 +155,14 @@ class MemorySessionStore:
             return False
         self.num_bytes -= entry.size_bytes
         return True
+
+    def _expire_affinity(self) -> None:
+        deadline = self._clock() - self.idle_ttl_s
+        while self._affinity:
+            key, (_, last_used) = next(iter(self._affinity.items()))
+            if last_used > deadline:
+                return
+            del self._affinity[key]
 
     def _expire(self) -> None:
         deadline = self._clock() - self.idle_ttl_s

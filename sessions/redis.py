@@ -10,7 +10,8 @@ A tenant's sessions are listed from an index, a sorted set ``{prefix}@index:{ten
 (all scored 0, so ``ZRANGEBYLEX`` pages them by id), kept beside the sessions: added on every
 write, removed on delete, its TTL refreshed on every write; ids whose session expired are
 dropped when a listing meets them. A session is at most ``max_session_bytes`` encoded
-(``SessionTooLarge``).
+(``SessionTooLarge``). Affinity keys (a session's or a routing key's worker, shared by the
+gateway replicas) are plain strings ``{prefix}@affinity:{key}`` with the same idle TTL.
 
 Every Redis failure surfaces as ``StoreUnavailable``.
 """
@@ -161,12 +162,27 @@ class RedisSessionStore:
         async with _unavailable_on_error():
             await asyncio.wait_for(self.client.ping(), PING_TIMEOUT_S)
 
+    async def get_affinity(self, key: str) -> str | None:
+        async with _unavailable_on_error(), self.client.pipeline(transaction=False) as pipe:
+            pipe.get(self.affinity_key(key))
+            pipe.pexpire(self.affinity_key(key), self._ttl_ms)
+            value, _ = await pipe.execute()
+        return None if value is None else value.decode()
+
+    async def set_affinity(self, key: str, worker_id: str) -> None:
+        async with _unavailable_on_error():
+            await self.client.set(self.affinity_key(key), worker_id, px=self._ttl_ms)
+
     async def close(self) -> None:
         await self.client.aclose()
 
     def key(self, tenant: str, session_id: str) -> str:
         # NOTE: tenant ids never contain ':' (gateway/tenancy.py), so keys cannot collide
         return f"{self.prefix}{tenant}:{session_id}"
+
+    def affinity_key(self, key: str) -> str:
+        # NOTE: '@' is in no tenant id, so no session key is an affinity key
+        return f"{self.prefix}@affinity:{key}"
 
     def index_key(self, tenant: str) -> str:
         # NOTE: '@' is in no tenant id, so no session key is an index key

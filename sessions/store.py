@@ -58,6 +58,21 @@ class SessionStore(Protocol):
         """Raises ``StoreUnavailable`` when the store cannot be reached."""
         ...
 
+    async def get_affinity(self, key: str) -> str | None:
+        """The worker an affinity key (a session, a routing header; tenant-prefixed by the
+        caller) was last sent to, or None; a hit refreshes its idle TTL. Optional: the gateway
+        routes without it when a store lacks it.
+
+        Raises:
+            StoreUnavailable: the store cannot be reached.
+        """
+        ...
+
+    async def set_affinity(self, key: str, worker_id: str) -> None:
+        """Record ``key``'s worker (bounded like the sessions: the store's idle TTL, and the
+        memory store's LRU bound). Raises ``StoreUnavailable``."""
+        ...
+
     async def close(self) -> None: ...
 
 

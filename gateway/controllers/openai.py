@@ -13,6 +13,7 @@ NOTE: decoding, rendering and tokenizing an input over ``large_input_chars`` run
 ones stay inline, where a thread hop would cost more than the work.
 """
 
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -27,6 +28,7 @@ from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
 from engine.protocol import Finished, TokenDelta
+from gateway.affinity_keys import affinity_key
 from gateway.disconnect import until_disconnect
 from gateway.dispatch import DispatchError
 from gateway.generation import (
@@ -40,7 +42,6 @@ from gateway.generation import (
     finish_reason,
     new_request_id,
     pieces,
-    start,
     usage_of,
 )
 from gateway.lifespan import ModelState
@@ -68,7 +69,8 @@ from gateway.schemas import (
 )
 from gateway.schemas.decode import check_logit_bias, check_max_tokens, prompt_chars
 from gateway.schemas.limits import DEFAULT_LIMITS, max_prompt_chars
-from gateway.tenancy import cache_salt, tenant_of
+from gateway.tenancy import ANONYMOUS, cache_salt, tenant_of
+from gateway.tool_pauses import answered, start_stateless, watch_stream
 
 _JSON = msgspec.json.Encoder()
 PROMPT_THREADS = 2  # NOTE: large inputs at once; more would only share the same cores
@@ -132,8 +134,11 @@ class ChatCompletionsController(Controller):
         if req.stream:
             if req.continuous_usage:
                 started = _counting(started, len(input_ids))
-            return ServerSentEvent(_chat_sse(head, req, started, model, opts))
+            watch = functools.partial(watch_stream, request.app.state.dispatcher, head.id, salt)
+            return ServerSentEvent(_chat_sse(head, req, started, model, opts, watch))
         result = await chat_result(started, model, opts)
+        answered(request.app.state.dispatcher, head.id, salt, result.message.tool_calls,
+                 result.finish_reason, result.usage)
         logprobs = None if result.logprobs is None else ChoiceLogprobs(content=result.logprobs)
         choice = ChatChoice(
             index=0, message=result.message, finish_reason=result.finish_reason, logprobs=logprobs
@@ -186,11 +191,16 @@ async def _start(
         req, default_max_tokens=left, stop_token_ids=model.tokenizer.eos_token_ids
     )
     prefix = "chatcmpl" if param == "messages" else "cmpl"
+    key = affinity_key(request.headers, getattr(req, "prompt_cache_key", None), req.user)
     generate = build_generate(
         input_ids, spec, request_id=new_request_id(prefix), cache_salt=salt, stream=req.stream,
-        session_id=_affinity_key(req, salt), stop_strings=req.stop_strings,
+        # NOTE: the worker's session hint, per tenant as the route's key
+        session_id=None if key is None else f"{salt or ANONYMOUS}/{key}",
+        stop_strings=req.stop_strings,
     )
-    started = await start(request.app.state.dispatcher, generate)
+    # NOTE: a chat request answering a retained tool-call answer releases it (tool_pauses)
+    started = await start_stateless(
+        request.app.state.dispatcher, generate, key, getattr(req, "messages", None), salt)
     return _Head(generate.request_id, served_names(request)[0], int(time.time())), started
 
 
@@ -228,13 +238,6 @@ def _check_prompt_chars(num_chars: int, model: ModelState, param: str) -> None:
             f"{model.max_context} tokens can hold (at most {bound} characters).",
             param=param, code="context_length_exceeded",
         )
-
-
-def _affinity_key(req: ChatCompletionRequest | CompletionRequest, salt: str | None) -> str | None:
-    """``prompt_cache_key`` as the worker affinity key (``Generate.session_id``): requests that
-    share it go to the same worker, where their common prefix is cached. Per tenant."""
-    key = getattr(req, "prompt_cache_key", None)
-    return None if key is None else f"prompt-cache-key:{salt or ''}:{key}"
 
 
 async def _maybe_off_loop(
@@ -321,9 +324,11 @@ async def _chat_sse(
     started: Started,
     model: ModelState,
     opts: OutputOptions,
+    watch: Callable[[AsyncIterator[Any]], AsyncIterator[Any]],
 ) -> AsyncIterator[ServerSentEventMessage]:
-    """The SSE body; leaving it early (the client went away) aborts the worker request."""
-    events = chat_deltas(started, model, opts)
+    """The SSE body; leaving it early (the client went away) aborts the worker request.
+    ``watch`` passes the events through (``tool_pauses.watch_stream``: tool-pause retention)."""
+    events = watch(chat_deltas(started, model, opts))
 
     def usage() -> Usage | msgspec.UnsetType:
         return started.usage() if isinstance(started, _CountingStarted) else msgspec.UNSET

@@ -177,12 +177,12 @@ _ShortStr = Annotated[str, Meta(max_length=1024)] | None
 
 class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``POST /v1/chat/completions``. Fields clients send that do not change this model's
-    output are accepted and ignored: ``user``, ``metadata``, ``store``, ``service_tier``,
+    output are accepted and ignored: ``metadata``, ``store``, ``service_tier``,
     ``safety_identifier``, ``verbosity``, ``reasoning_effort``, ``prediction``. Honoured:
-    ``logit_bias``, ``top_k``, ``min_p``, ``repetition_penalty`` (vLLM), ``prompt_cache_key``
-    (worker affinity). Refused unless null or empty (``unsupported_value``): ``functions``,
-    ``function_call`` other than "none"/"auto", ``audio``, ``modalities`` other than text.
-    Penalties are accepted only as 0."""
+    ``logit_bias``, ``top_k``, ``min_p``, ``repetition_penalty`` (vLLM); ``prompt_cache_key``
+    and ``user`` are worker-affinity hints (``gateway.affinity_keys``). Refused unless null or
+    empty (``unsupported_value``): ``functions``, ``function_call`` other than "none"/"auto",
+    ``audio``, ``modalities`` other than text. Penalties are accepted only as 0."""
 
     model: str
     messages: list[Message]
@@ -237,8 +237,8 @@ class ChatCompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_un
 
 class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``POST /v1/completions``: one prompt, as text or token ids; ``echo`` must be false,
-    ``suffix`` null and ``best_of`` 1. ``user`` is ignored; ``logit_bias`` and the vLLM extras
-    are honoured as in chat."""
+    ``suffix`` null and ``best_of`` 1. ``user`` and ``prompt_cache_key`` are routing hints only
+    (``gateway.affinity_keys``); ``logit_bias`` and the vLLM extras are honoured as in chat."""
 
     model: str
     prompt: str | list[_TokenId]
@@ -260,6 +260,7 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     top_k: _TopK = None
     min_p: _MinP = None
     repetition_penalty: _RepetitionPenalty = None
+    prompt_cache_key: _ShortStr = None
     user: _ShortStr = None
 
     @property

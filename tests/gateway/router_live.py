@@ -1,0 +1,86 @@
+"""Helpers of the live routing tests (``test_router_live``, ``test_router_replicas``): sim workers
+with a replay socket, the per-worker counters and routing gauges read from a gateway's
+``/metrics``, and prompts long enough to span many KV pages."""
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.serve import ANY_PORT, ServeError, WorkerProcess, spawn_worker
+from tests.gateway.live import WORKER_START_TIMEOUT_S
+
+AUTH = {"Authorization": "Bearer sk-router-live"}
+WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
+         "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo")
+
+
+def start_replay_worker(worker_id: str, cost: str = "zero") -> WorkerProcess:
+    """A sim worker on free ports with a KV event replay socket (as ``agentgate serve`` spawns
+    them)."""
+    try:
+        return spawn_worker(model_dir=None, backend="sim", worker_id=worker_id,
+                            extra_args=("--cost", cost), timeout_s=WORKER_START_TIMEOUT_S,
+                            replay=ANY_PORT)
+    except ServeError as e:
+        pytest.fail(str(e))
+
+
+@contextlib.contextmanager
+def replay_workers(*worker_ids: str, cost: str = "zero") -> Iterator[list[WorkerProcess]]:
+    with contextlib.ExitStack() as stack:
+        out = []
+        for worker_id in worker_ids:
+            worker = start_replay_worker(worker_id, cost)
+            stack.callback(worker.stop)
+            out.append(worker)
+        yield out
+
+
+def text(seed: int, num_words: int) -> str:
+    """``num_words`` words (about one token each) that no other seed repeats in order."""
+    return " ".join(WORDS[(seed * 7 + i * (seed % 5 + 1)) % len(WORDS)] + str((seed + i) % 97)
+                    for i in range(num_words))
+
+
+def metrics(http: httpx.Client) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """``/metrics`` as {sample name: {sorted labels: value}}."""
+    resp = http.get("/metrics")
+    assert resp.status_code == 200, resp.text
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(resp.text):
+        for sample in family.samples:
+            labels = tuple(sorted(sample.labels.items()))
+            out.setdefault(sample.name, {})[labels] = sample.value
+    return out
+
+
+def worker_requests(http: httpx.Client) -> dict[str, float]:
+    """Requests sent to each worker so far (``agentgate_worker_requests_total``)."""
+    samples = metrics(http).get("agentgate_worker_requests_total", {})
+    return {dict(labels)["worker"]: value for labels, value in samples.items()}
+
+
+def landed(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The workers whose request counters moved, and by how much."""
+    return {w: n - before.get(w, 0) for w, n in after.items() if n > before.get(w, 0)}
+
+
+def gauge(http: httpx.Client, name: str, **labels: str) -> float:
+    samples = metrics(http).get(name, {})
+    return samples.get(tuple(sorted(labels.items())), 0.0)
+
+
+def chat(http: httpx.Client, messages: list[dict[str, Any]], max_tokens: int = 4,
+         **extra: Any) -> dict[str, Any]:
+    body = {"model": "demo", "messages": messages, "max_tokens": max_tokens, **extra}
+    resp = http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def cached_tokens(answer: dict[str, Any]) -> int:
+    return answer["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
