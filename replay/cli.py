@@ -236,6 +236,8 @@ def _report_progress(key: str, done: int, total: int) -> None:
 
 def _run_all(spec: WorkloadSpec, cfg: Any, tasks: list[tuple[str, float]], jobs: int,
              quiet: bool) -> dict[tuple[str, float], dict[str, Any]]:
+    if jobs == 1 or len(tasks) == 1:
+        return _run_here(spec, cfg, tasks, quiet)
     # NOTE: spawn, not fork: the parent may hold torch's threads
     ctx = get_context("spawn")
     queue = ctx.Queue()
@@ -252,6 +254,29 @@ def _run_all(spec: WorkloadSpec, cfg: Any, tasks: list[tuple[str, float]], jobs:
         stop.set()
         reader.join(timeout=2.0)
         bar.close()
+
+
+def _run_here(spec: WorkloadSpec, cfg: Any, tasks: list[tuple[str, float]],
+              quiet: bool) -> dict[tuple[str, float], dict[str, Any]]:
+    """--jobs 1: every run in this process, one after the other."""
+    global _QUEUE
+    bar = ProgressBar([f"{n}@{s:g}" for n, s in tasks], enabled=not quiet)
+    _QUEUE = _BarFeed(bar)
+    try:
+        return {t: replay_task(spec, cfg, *t) for t in tasks}
+    finally:
+        _QUEUE = None
+        bar.close()
+
+
+class _BarFeed:
+    """Stands in for the progress queue when the runs are in this process."""
+
+    def __init__(self, bar: ProgressBar) -> None:
+        self.bar = bar
+
+    def put(self, item: tuple[str, int, int]) -> None:
+        self.bar.update(*item)
 
 
 def _pump(queue: Any, bar: ProgressBar, stop: threading.Event) -> None:

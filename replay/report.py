@@ -40,6 +40,7 @@ def policy_entry(result: Any) -> dict[str, Any]:
         "summary": result.summary.to_dict(),
         "rate_scale": result.config.rate_scale,
         "wall_s": result.wall_s,
+        "cpu_s": result.cpu_s,
         "engines": result.engine_stats,
         "ttft_cdf": {"q": qs, "ttft_s": [quantile(ttfts, q) if q else ttfts[0] if ttfts else 0.0
                                          for q in qs]},
