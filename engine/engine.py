@@ -82,6 +82,8 @@ class Engine:
                                  keep_tokens=cfg.keep_page_tokens, on_event=on_cache_event,
                                  clock=clock)
         self.kv = KVManager(self.allocator, self.cache, cfg.checkpoint_interval_tokens)
+        # NOTE: the sim reads only each row's seq_len; page lists would cost O(pages) per step
+        self._step_pages = self.kv.seq_pages if model is not None else _lengths_only
         self.scheduler = Scheduler(
             self.kv, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_running_requests=cfg.max_running_requests,
@@ -153,7 +155,7 @@ class Engine:
 
     def run_scheduled(self, batch: list[Scheduled]) -> list[Sequence]:
         """Forward an already scheduled batch, commit its KV and append sampled tokens."""
-        pages = [self.kv.seq_pages(s.seq, s.query_len) for s in batch]
+        pages = [self._step_pages(s.seq, s.query_len) for s in batch]
         sampled = self.runner.run(batch, pages)
         sampling = [s.seq for s in batch if s.samples]
         for s in batch:
@@ -220,6 +222,11 @@ class Engine:
 
         device = getattr(self.runner, "device", "cpu")
         return make_generator(seed, device)
+
+
+def _lengths_only(seq: Sequence, query_len: int) -> SeqPages:
+    """A step row without page lists (the sim backend's cost model needs only the lengths)."""
+    return SeqPages(full_pages=[], swa_pages=[], num_cached=seq.num_computed, query_len=query_len)
 
 
 def _require_path(cfg: EngineConfig) -> str:

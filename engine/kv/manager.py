@@ -54,14 +54,14 @@ class KVManager:
     def admit(self, seq: Sequence) -> int:
         """Match the prefix cache for a request with nothing computed; returns cached tokens."""
         assert seq.num_computed == 0 and not seq.path and not seq.pending_full
-        tokens = seq.token_ids
-        if len(seq.page_hashes) < len(tokens) // self.page_size:
+        num_tokens = seq.num_tokens
+        if len(seq.page_hashes) < num_tokens // self.page_size:
             # NOTE: a caller may precompute the hashes (in-process only, e.g. a trace replay);
             # hashes from the wire are never trusted, they would cross tenant salts
-            seq.page_hashes = page_hashes(tokens, self.page_size, seq.cache_salt)
+            seq.page_hashes = page_hashes(seq.token_ids, self.page_size, seq.cache_salt)
         # at least the last token is recomputed: its logits are needed
         m = self.cache.match(
-            seq.page_hashes, len(tokens) - 1, tokens if self.cache.keep_tokens else None
+            seq.page_hashes, num_tokens - 1, seq.token_ids if self.cache.keep_tokens else None
         )
         seq.path = list(m.nodes)
         seq.branch_node = m.branch_node if m.raw_tokens > 0 else None
