@@ -49,6 +49,7 @@ from gateway.generation import (
     start,
 )
 from gateway.lifespan import ModelState, SessionsState
+from gateway.routing.retention import Pause
 from gateway.schemas import (
     ChunkDelta,
     FunctionCall,
@@ -61,6 +62,7 @@ from gateway.schemas import (
 from gateway.schemas.sessions import TurnEnd, TurnParams, turn_sampling_spec
 from gateway.structured import StructuredError, tool_call_grammar
 from gateway.tenancy import cache_salt
+from gateway.tool_pauses import TOOL_CALLS, call_names, retention_of, session_key
 from sessions import (
     Message,
     Session,
@@ -108,9 +110,6 @@ async def begin_turn(
         generate = build_generate(
             prompt.token_ids, spec, request_id=request_id, session_id=session.id,
             cache_salt=cache_salt(tenant),
-            # NOTE: whether a turn ends in tool calls is only known at its end, so every turn of
-            # a session with tools asks the worker to keep its tail checkpoint while a tool runs
-            retain_ttl_s=ctx.retain_ttl_s if session.tools else None,
         )
     except BaseException:
         await lease.stop()
@@ -121,6 +120,9 @@ async def begin_turn(
     opts = OutputOptions(req.stop_strings, parse_tools=parse_tools)
     turn = Turn(ctx, model, dispatcher, session, new, prompt, generate, opts, t0, started_at)
     turn.lease = lease
+    turn.tenant = tenant
+    # NOTE: the previous turn's retained resume point is released once this one is dispatched
+    turn.pause = retention_of(dispatcher).resumed(session_key(tenant, session.id), time.monotonic())
     return turn
 
 
@@ -217,7 +219,10 @@ class Turn:
         self._end: ChatEnd | None = None
         self._failed = False
         self._closing: asyncio.Task[TurnEnd | None] | None = None
+        self._pause_released = False
         self.lease: _LeaseKeeper | None = None  # set by begin_turn; stopped by close
+        self.tenant = ""  # set by begin_turn
+        self.pause: Pause | None = None  # the tool pause this turn ends (set by begin_turn)
 
     @property
     def index(self) -> int:
@@ -234,6 +239,8 @@ class Turn:
         except Exception:
             self._failed = True
             raise
+        finally:
+            self._release_pause()
         self._started = self._tally.wrap(started)
 
     async def deltas(self) -> AsyncIterator[ChunkDelta]:
@@ -271,6 +278,7 @@ class Turn:
     async def _record(self) -> TurnEnd | None:
         if self.lease is not None:
             await self.lease.stop()
+        self._release_pause()  # NOTE: a turn closed before start() sends nothing
         if self._failed:
             await self._ctx.manager.abort_turn(self.session)
             return None
@@ -293,10 +301,30 @@ class Turn:
         except SessionTooLarge:
             await self._ctx.manager.abort_turn(self.session)  # NOTE: release, record nothing
             raise
+        self._retain_if_paused(message, reason, usage)
         return TurnEnd(
             session_id=self.session.id, turn=self.index, request_id=self.request_id,
             message=message, finish_reason=reason, usage=usage,
         )
+
+    def _release_pause(self) -> None:
+        if self._pause_released:
+            return
+        self._pause_released = True
+        retention_of(self._dispatcher).release(self.pause)
+
+    def _retain_if_paused(self, message: ResponseMessage, reason: str, usage: Usage) -> None:
+        """Count this turn's cache hit when it followed a tool pause; when it ended in tool
+        calls, retain its resume point on its worker while the tools run."""
+        retention = retention_of(self._dispatcher)
+        if self.pause is not None and self._started is not None:
+            retention.hit_after_pause(usage.prompt_tokens,
+                                      usage.prompt_tokens_details.cached_tokens)
+        if reason != TOOL_CALLS or not message.tool_calls or not self._ctx.retain_ttl_s:
+            return
+        retention.paused(session_key(self.tenant, self.session.id), self.request_id, self.tenant,
+                         call_names(message.tool_calls), time.monotonic(),
+                         default_ttl_s=self._ctx.retain_ttl_s)
 
     def _answer(self) -> tuple[ResponseMessage, str, Usage]:
         content = "".join(self._content)

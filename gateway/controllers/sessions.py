@@ -74,6 +74,7 @@ from gateway.schemas.sessions import (
     frame_id_of,
 )
 from gateway.tenancy import tenant_of
+from gateway.tool_pauses import retention_of, session_key
 from gateway.turns import Turn, begin_turn, check_new_session, message_dict
 from sessions import (
     MAX_PAGE_SIZE,
@@ -154,9 +155,12 @@ class SessionsController(Controller):
     @delete("/{session_id:str}", status_code=200)
     async def remove(
         self, request: Request[Any, Any, Any], session_id: FromPath[str],
-        sessions: NamedDependency[SessionsState],
+        sessions: NamedDependency[SessionsState], dispatcher: NamedDependency[Dispatcher],
     ) -> DeletedSession:
-        await sessions.manager.delete(tenant_of(request), session_id)
+        tenant = tenant_of(request)
+        await sessions.manager.delete(tenant, session_id)
+        # NOTE: no turn will resume it: release its tool-pause retention now
+        retention_of(dispatcher).forget(session_key(tenant, session_id))
         return DeletedSession(id=session_id)
 
     @post("/{session_id:str}/turns", status_code=200)

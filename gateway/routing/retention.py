@@ -81,23 +81,26 @@ class PauseLearner:
         for key in keys:
             self._ring(key).append(pause_s)
 
-    def ttl_s(self, tenant: str, tool_names: Iterable[str]) -> float:
+    def ttl_s(self, tenant: str, tool_names: Iterable[str],
+              default_ttl_s: float | None = None) -> float:
         """How long to retain after a turn that called ``tool_names``: the longest of their
-        learned TTLs (the next turn waits for every result)."""
+        learned TTLs (the next turn waits for every result); ``default_ttl_s`` (else the
+        learner's) until enough pauses are known."""
         names = set(tool_names) or {""}
-        return max(self._ttl_of(tenant, name) for name in names)
+        default = self.default_ttl_s if default_ttl_s is None else default_ttl_s
+        return max(self._ttl_of(tenant, name, min(default, self.max_ttl_s)) for name in names)
 
     @property
     def num_keys(self) -> int:
         return len(self._pauses)
 
-    def _ttl_of(self, tenant: str, name: str) -> float:
+    def _ttl_of(self, tenant: str, name: str, default_ttl_s: float) -> float:
         for key in (("tool", tenant, name), ("tenant", tenant), ("any", name)):
             pauses = self._pauses.get(key)
             if pauses is not None and len(pauses) >= self.min_samples:
                 self._pauses.move_to_end(key)
                 return self._clamp(quantile_of(pauses, self.quantile))
-        return self.default_ttl_s
+        return default_ttl_s
 
     def _clamp(self, ttl_s: float) -> float:
         return min(self.max_ttl_s, max(self.min_ttl_s, ttl_s))
@@ -153,6 +156,9 @@ class ToolPauseRetention:
         self.send_retain = send_retain or (lambda _rid, _ttl: False)
         self.max_paused = max_paused
         self._paused: OrderedDict[str, Pause] = OrderedDict()
+        # NOTE: requests that followed a tool pause, until their end is counted (bounded: one
+        # that never reports its end is dropped oldest first)
+        self._resumed_requests: OrderedDict[str, None] = OrderedDict()
         self.num_retains = 0
         self.num_releases = 0
         self.num_resumed = 0
@@ -160,11 +166,12 @@ class ToolPauseRetention:
         self.resumed_cached_tokens = 0
 
     def paused(self, key: str, request_id: str, tenant: str, tool_names: Sequence[str],
-               now_s: float) -> float | None:
+               now_s: float, default_ttl_s: float | None = None) -> float | None:
         """Turn ``request_id`` of conversation ``key`` ended in calls of ``tool_names``: retain
-        its resume point for the learned TTL. Returns the TTL sent (None: not sent)."""
+        its resume point for the learned TTL (``default_ttl_s`` until one is learned). Returns
+        the TTL sent (None: not sent)."""
         self.forget(key)  # NOTE: an earlier pause of the same conversation is superseded
-        ttl_s = self.learner.ttl_s(tenant, tool_names)
+        ttl_s = self.learner.ttl_s(tenant, tool_names, default_ttl_s)
         if ttl_s <= 0 or not self.send_retain(request_id, ttl_s):
             return None
         self.num_retains += 1
@@ -181,6 +188,16 @@ class ToolPauseRetention:
         if pause is not None:
             self.learner.observe(pause.tenant, pause.tool_names, now_s - pause.since_s)
         return pause
+
+    def resumed_request(self, request_id: str) -> None:
+        """``request_id`` followed a tool pause: count its cache hit at ``request_ended``."""
+        self._resumed_requests[request_id] = None
+        while len(self._resumed_requests) > self.max_paused:
+            self._resumed_requests.popitem(last=False)
+
+    def request_ended(self, request_id: str, prompt_tokens: int, cached_tokens: int) -> None:
+        if self._resumed_requests.pop(request_id, 0) is None:
+            self.hit_after_pause(prompt_tokens, cached_tokens)
 
     def hit_after_pause(self, prompt_tokens: int, cached_tokens: int) -> None:
         """A turn that followed a tool pause got ``cached_tokens`` of its prompt from cache."""

@@ -170,3 +170,20 @@ def test_metrics() -> None:
     assert 'agentgate_retention_worker_expired_total{worker="w0"} 3.0' in text
     assert "agentgate_retention_resumed_cached_tokens_total 990.0" in text
     assert "agentgate_retention_paused_conversations 1.0" in text
+
+
+def test_answered_calls_after_the_last_assistant_message() -> None:
+    from gateway.schemas.requests import AssistantMessage, ToolMessage, UserMessage
+    from gateway.tool_pauses import answered_calls
+
+    dicts = [{"role": "user", "content": "q"},
+             {"role": "assistant", "tool_calls": [{"id": "call_old"}]},
+             {"role": "tool", "tool_call_id": "call_old", "content": "r"},
+             {"role": "assistant", "tool_calls": [{"id": "call_a"}, {"id": "call_b"}]},
+             {"role": "tool", "tool_call_id": "call_a", "content": "x"},
+             {"role": "tool", "tool_call_id": "call_b", "content": "y"}]
+    assert sorted(answered_calls(dicts)) == ["call_a", "call_b"]
+    assert answered_calls([*dicts, {"role": "assistant", "content": "done"}]) == []
+    structs = [UserMessage(content="q"), AssistantMessage(content="thinking"),
+               ToolMessage(tool_call_id="call_s", content="r")]
+    assert answered_calls(structs) == ["call_s"]
