@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.hashing import page_hashes
+from replay.tokens import block_token_ids
 
 BLOCK_TOKENS = 512
 TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
@@ -43,13 +44,9 @@ def load(name: str, limit: int | None = None) -> list[Record]:
 
 
 def block_tokens(block_id: int, vocab_size: int) -> np.ndarray:
-    """512 deterministic token ids for one block id (splitmix64 of id and position)."""
-    x = (np.uint64(block_id) * np.uint64(BLOCK_TOKENS)
-         + np.arange(BLOCK_TOKENS, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15))
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    x = x ^ (x >> np.uint64(31))
-    return (x % np.uint64(vocab_size)).astype(np.int64)
+    """512 deterministic token ids for one block id (splitmix64 of id and position); the one
+    definition is ``replay.tokens.block_token_ids``, which ``agentgate replay`` uses too."""
+    return block_token_ids([block_id], BLOCK_TOKENS, vocab_size)
 
 
 class TokenSource:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from replay.harness import ReplayConfig, ReplayResult, replay
+from replay.harness import Replay, ReplayConfig, ReplayResult, replay
 from replay.metrics import OK
 from replay.workloads import TraceRequest, agent_workload
 
@@ -150,3 +150,47 @@ def test_unknown_policy_and_orphan_requests_are_clear_errors(
 
 def _fields(cfg: ReplayConfig) -> dict[str, object]:
     return {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
+
+
+def test_router_index_holds_exactly_the_engines_cached_pages(
+        sessions: list[TraceRequest]) -> None:
+    """The KV index is built from the engines' own events, batch by batch: at the end it knows
+    every page each engine caches, at its depth, and nothing else."""
+    sim = Replay(sessions, "llm-d", CFG, None)
+    sim.run()
+    num_cached = 0
+    for wid, worker in sim.workers.items():
+        for node in worker.engine.cache.nodes():
+            chain = [n.page_hash for n in node.ancestors(node.depth + 1)][::-1]
+            match = sim.index.match(chain).get(wid)
+            assert match is not None and match.full_pages == node.depth + 1, (wid, node)
+            num_cached += 1
+    assert num_cached > 0
+    assert sim.index.num_pages == num_cached
+
+
+def test_admission_on_every_request_finishes_with_sane_times(
+        sessions: list[TraceRequest]) -> None:
+    pytest.importorskip("gateway.routing.admission")
+    cfg = ReplayConfig(**{**_fields(CFG), "admission": True})
+    result = replay(sessions, "llm-d", cfg)
+    _assert_sane(result)
+
+
+def test_block_tokens_and_continued_prompts_hash_like_the_whole_prompt() -> None:
+    from replay.tokens import PromptBuilder, block_token_ids
+
+    a = block_token_ids([3, 9], 512, 1000)
+    assert a.shape == (1024,) and a.min() >= 0 and a.max() < 1000
+    assert (a[512:] == block_token_ids([9], 512, 1000)).all()  # block ids are independent
+    assert not (a[:512] == a[512:]).all()
+    builder = PromptBuilder(page_size=512, block_size=512, vocab_size=1000)
+    parent = builder.fresh([3, 9], 700)
+    assert parent.num_tokens == 700 and len(parent.hashes) == 1
+    child = builder.continued(parent, [1, 2, 3] * 200, [11, 12], 900)
+    assert child.num_tokens == 700 + 600 + 900
+    assert (child.ids[:700] == parent.ids).all()
+    # the extended chain equals hashing the whole prompt from scratch
+    from engine.hashing import page_hashes
+
+    assert child.hashes == page_hashes(child.ids, 512)
