@@ -25,6 +25,9 @@ one observation per token delta. Everything runs on the gateway's event loop, so
     | prompt_cache_{hits,misses,fallbacks,evictions,reused_tokens}_total | counter | | PromptCache |
     | prompt_cache_entries, prompt_cache_tokens  | gauge     |                  | PromptCache   |
     | sessions_{created,deleted}_total           | counter   |                  | SessionManager |
+    | admission_* (queue, drain rate, waits)     | mixed     |                  | AdmissionGate |
+    | retention_* (retains, releases, resumed turns and their cached tokens; per worker:
+    |   retained pages, expired retentions)      | mixed     | worker           | tool_pauses   |
     | session_turns_total                        | counter   | outcome          | SessionManager |
 
 TTFT is measured from the dispatch of the request (after templating and tokenizing, which the
@@ -325,6 +328,15 @@ class GatewayMetrics:
                      value=self.dispatcher.index_workers)
         if (gate := self.dispatcher.gate) is not None:
             yield from gate.collect()  # NOTE: agentgate_admission_* (gateway.admission_gate)
+        yield from self._retention()
+
+    def _retention(self) -> Iterator[Metric]:
+        """``agentgate_retention_*`` (``gateway.tool_pauses``); a worker not alive has none."""
+        from gateway.tool_pauses import retention_of
+
+        loads = [(c.endpoint, c.last_load if c.is_alive else None)
+                 for c in self.dispatcher.clients]
+        yield from retention_of(self.dispatcher).collect(loads)
 
     def _prompt_cache(self) -> Iterator[Metric]:
         cache = self.prompt_cache

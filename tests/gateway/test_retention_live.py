@@ -95,6 +95,9 @@ def test_tool_turn_retains_and_next_turn_releases(client: TestClient[Litestar]) 
     first = _tool_turn(client, sid)
     assert retention.num_retains == 1 and retention.num_paused == 1
     _wait_for("retained pages on the worker", lambda: _retained_pages(client) > 0)
+    metrics = client.get("/metrics").text
+    assert "agentgate_retention_retains_total 1.0" in metrics
+    assert "agentgate_retention_worker_retained_pages{worker=" in metrics
 
     [call] = first["message"]["tool_calls"]
     result = {"role": "tool", "tool_call_id": call["id"], "content": "a small wallaby"}
