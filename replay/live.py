@@ -50,7 +50,7 @@ from replay.harness import replay as harness_replay
 from replay.metrics import ERROR, OK, RequestRecord, Summary, summarize
 from replay.sim_worker import TOKEN_BYTES
 from replay.tokens import Prompt, PromptBuilder
-from replay.workloads import TraceRequest
+from replay.workloads import TraceRequest, first_by_arrival
 
 __all__ = ["Agreement", "LiveComparison", "LiveResult", "agreement", "compare_live",
            "live_model_dir", "live_slice", "replay_live"]
@@ -149,18 +149,14 @@ def live_slice(requests: Sequence[TraceRequest], limit: int,
     pauses and answers so that a slice replays in wall time in seconds; the in-process run must
     get the same slice.
 
-    NOTE: closed-loop arrivals are estimated as parent's arrival + think_s (service time is not
-    known before the run); the slice keeps the trace's list order (parents first).
+    ``replay.workloads.first_by_arrival`` picks the window (after capping the pauses).
     """
-    est: dict[str, float] = {}
-    for r in requests:
-        think = r.think_s if max_think_s is None else min(r.think_s, max_think_s)
-        est[r.request_id] = r.arrival_s if r.parent is None else est[r.parent] + think
-    keep = {r.request_id for r in sorted(requests, key=lambda r: est[r.request_id])[:limit]}
+    paused = [_capped(r, max_think_s, None) for r in requests]
+    keep = {r.request_id for r in first_by_arrival(paused, limit)}
     orig = {r.request_id: r for r in requests}
     out: dict[str, TraceRequest] = {}
     for r in requests:
-        if r.request_id not in keep or (r.parent is not None and r.parent not in out):
+        if r.request_id not in keep:
             continue
         capped = _capped(r, max_think_s, max_output_tokens)
         if r.prefix_from_parent:

@@ -31,7 +31,7 @@ from pathlib import Path
 from replay.agent_params import TOOLS, AgentParams, ToolSpec
 
 __all__ = ["AgentParams", "TOOLS", "ToolSpec", "TraceError", "TraceRequest", "agent_workload",
-           "load_mooncake", "new_tokens", "summary"]
+           "first_by_arrival", "load_mooncake", "new_tokens", "summary"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +112,26 @@ def agent_workload(
     if num_sessions < 0:
         raise ValueError(f"num_sessions={num_sessions}: must be >= 0")
     return _AgentBuilder(seed, params or AgentParams(), block_size).build(num_sessions)
+
+
+def first_by_arrival(requests: list[TraceRequest], limit: int) -> list[TraceRequest]:
+    """The first ``limit`` requests by estimated arrival whose parents are in too, in the
+    list's order: a window of time (``--limit`` of the agent workload), not its first sessions.
+
+    NOTE: a closed-loop arrival is estimated as the parent's + ``think_s`` (service time is
+    only known by replaying).
+    """
+    est: dict[str, float] = {}
+    for r in requests:
+        est[r.request_id] = r.arrival_s if r.parent is None else est[r.parent] + r.think_s
+    keep = {r.request_id for r in sorted(requests, key=lambda r: est[r.request_id])[:max(0, limit)]}
+    out: list[TraceRequest] = []
+    for r in requests:
+        if r.request_id in keep and (r.parent is None or r.parent in keep):
+            out.append(r)
+        else:
+            keep.discard(r.request_id)
+    return out
 
 
 def new_tokens(req: TraceRequest, parent: TraceRequest | None) -> int:

@@ -15,6 +15,7 @@ from replay.workloads import (
     TraceError,
     TraceRequest,
     agent_workload,
+    first_by_arrival,
     load_mooncake,
     new_tokens,
     summary,
@@ -174,6 +175,19 @@ def test_default_run_stays_replayable() -> None:
     s = summary(agent_workload(0, 64))
     assert 500 <= s["requests"] <= 4000, s
     assert s["input_tokens"] <= 80e6, s
+
+
+def test_first_by_arrival_is_a_parent_closed_window_of_time() -> None:
+    reqs = agent_workload(2, 16)
+    part = first_by_arrival(reqs, 50)
+    assert 0 < len(part) <= 50
+    kept = {r.request_id for r in part}
+    assert all(r.parent is None or r.parent in kept for r in part)
+    assert [r for r in reqs if r.request_id in kept] == part, "the list's order is kept"
+    assert len({r.session_id for r in part}) >= 4
+    first = [r.arrival_s for r in reqs if r.parent is None]
+    assert all(r.request_id in kept for r in reqs if r.arrival_s == min(first))
+    assert first_by_arrival(reqs, 0) == []
 
 
 def test_trace_request_refuses_inconsistent_fields() -> None:
