@@ -88,6 +88,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--jobs", type=int, default=2, help="policies replayed in parallel processes (2)")
     add("--json", dest="json_out", metavar="OUT", help="write the results as JSON")
     add("--plots", metavar="DIR", help="write PNG plots (needs matplotlib)")
+    add("--live", type=int, default=None, metavar="N",
+        help="also replay the first N requests through a real `agentgate serve --backend sim` "
+             "(the first policy listed, over HTTP and ZeroMQ) and check that the in-process "
+             "replay agrees (replay.live)")
     add("--quiet", action="store_true", help="no progress bar")
 
 
@@ -119,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
     capacity = _capacity(results, policies, scales)
     doc = report.document(spec.describe(requests), cfg, main_runs, capacity)
     print(report.table(doc))
+    if args.live:
+        doc["live"] = _live(requests, cfg, policies, args.live)
     if args.json_out:
         report.write_json(doc, args.json_out)
         print(f"wrote {args.json_out}", file=sys.stderr)
@@ -139,6 +145,17 @@ def replay_task(spec: WorkloadSpec, cfg: Any, policy: str, scale: float) -> dict
     result = replay(requests, policy, replace(cfg, rate_scale=cfg.rate_scale * scale),
                     progress=lambda done, total: _report_progress(key, done, total))
     return policy_entry(result)
+
+
+def _live(requests: Sequence[Any], cfg: Any, policies: Sequence[str], limit: int) -> dict:
+    from replay.live import compare_live
+
+    policy = next((p for p in policies if p != "global"), "agentgate")
+    comparison = compare_live(requests, cfg, limit, router=policy)
+    verdict = "agrees" if comparison.agreement.ok() else "DISAGREES"
+    print(f"live ({policy}, {len(comparison.requests)} requests): "
+          f"{comparison.agreement.line()}: {verdict}")
+    return comparison.to_dict()
 
 
 # ---------------------------------------------------------------------------- setup
@@ -162,6 +179,8 @@ def _setup(args: argparse.Namespace) -> tuple[WorkloadSpec, Any, list[str], list
         raise ValueError(f"--limit={args.limit}: must be >= 1")
     if args.jobs < 1:
         raise ValueError(f"--jobs={args.jobs}: must be >= 1")
+    if args.live is not None and args.live < 1:
+        raise ValueError(f"--live={args.live}: must be >= 1")
     try:
         cfg = ReplayConfig(
             num_workers=args.workers or preset.get("workers", 8),
