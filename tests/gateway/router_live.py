@@ -14,11 +14,14 @@ from gateway.serve import ANY_PORT, ServeError, WorkerProcess, spawn_worker
 from tests.gateway.live import WORKER_START_TIMEOUT_S
 
 AUTH = {"Authorization": "Bearer sk-router-live"}
+# NOTE: the tests ask for model "demo". The spawned workers' sim cost is the CPU preset: with the
+# zero preset every predicted TTFT is 0, and a cost-based router has no reason to prefer a cache.
+SERVE_ARGS = ("--served-model-name", "demo", "--cost", "cpu")
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
          "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo")
 
 
-def start_replay_worker(worker_id: str, cost: str = "zero") -> WorkerProcess:
+def start_replay_worker(worker_id: str, cost: str = "cpu") -> WorkerProcess:
     """A sim worker on free ports with a KV event replay socket (as ``agentgate serve`` spawns
     them)."""
     try:
@@ -30,7 +33,7 @@ def start_replay_worker(worker_id: str, cost: str = "zero") -> WorkerProcess:
 
 
 @contextlib.contextmanager
-def replay_workers(*worker_ids: str, cost: str = "zero") -> Iterator[list[WorkerProcess]]:
+def replay_workers(*worker_ids: str, cost: str = "cpu") -> Iterator[list[WorkerProcess]]:
     with contextlib.ExitStack() as stack:
         out = []
         for worker_id in worker_ids:
