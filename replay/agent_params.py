@@ -76,8 +76,9 @@ class AgentParams:
     # System prompt + tool definitions, shared by every session that uses that variant
     # (rounded up to whole blocks). Coding agents ship ~10-20K tokens of them.
     system_prompt_tokens: tuple[int, ...] = (10240, 14336)
-    # Turns per main session: 5-40, median 10 (AgentX reports a median of 43: scaled down).
-    turns: LogNormal = LogNormal(10, 0.6, 5, 40)
+    # Turns per main session: 5-40, median 10, a long tail (AgentX reports a median of 43:
+    # scaled down); the longest histories pass 100K tokens.
+    turns: LogNormal = LogNormal(10, 0.8, 5, 40)
     # The first user message, and a user's follow-up when a turn ends without tool calls.
     task_tokens: LogNormal = LogNormal(300, 0.8, 32, 4096)
     # Answers: agent turns are long prompts and short outputs (Weka: median 317; AgentX 444).
