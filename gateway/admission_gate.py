@@ -90,9 +90,13 @@ class AdmissionGate:
         except asyncio.CancelledError:
             self._waiters.pop(rid, None)
             self.num_cancelled += 1
-            if not self.admission.cancel(rid):
+            now_s = self._clock()
+            if self.admission.cancel(rid):
+                # NOTE: it may have blocked its queue's head: what fits now goes now
+                self._wake(self.admission.admit_ready(ticket.worker_id, now_s))
+            else:
                 # NOTE: admitted in the same instant: nobody will send it, so release it
-                self._wake(self.admission.done(rid, self._clock()))
+                self._wake(self.admission.done(rid, now_s))
             raise
         self._admitted(self._clock() - start_s)
 

@@ -54,7 +54,9 @@ before any measurement, the workers' modelled capacity per ``prefill_window_s``)
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.cost import CostModel
@@ -176,6 +178,62 @@ class _Entry:
     seq: int  # NOTE: tie break: first offered first
     tokens: int
     admitted: bool = False
+    dropped: bool = False  # NOTE: cancelled while queued; its heap slot is removed lazily
+
+
+class _BucketQueue:
+    """One (worker, bucket) queue: a heap per tenant, by ``(key, seq)``. Cancelled entries
+    leave their heap lazily (at its top, or when dropped ones outnumber the live ones)."""
+
+    __slots__ = ("_heaps", "_live", "num_live")
+
+    def __init__(self) -> None:
+        self._heaps: dict[str, list[tuple[float, int, _Entry]]] = {}
+        self._live: dict[str, int] = {}
+        self.num_live = 0
+
+    def __bool__(self) -> bool:
+        return self.num_live > 0
+
+    def push(self, e: _Entry) -> None:
+        tenant = e.ticket.tenant
+        heapq.heappush(self._heaps.setdefault(tenant, []), (e.key, e.seq, e))
+        self._live[tenant] = self._live.get(tenant, 0) + 1
+        self.num_live += 1
+
+    def head(self, vtime_of: Callable[[str], float]) -> _Entry:
+        """The tenant with the smallest virtual time (ties: the smaller key), its top entry."""
+        tenant = min(self._heaps, key=lambda t: (vtime_of(t), self._heaps[t][0][:2]))
+        return self._heaps[tenant][0][2]
+
+    def pop(self, e: _Entry) -> None:
+        """Remove ``e``, the top of its tenant's heap."""
+        heap = self._heaps[e.ticket.tenant]
+        assert heap[0][2] is e
+        heapq.heappop(heap)
+        self._forget_one(e.ticket.tenant)
+
+    def drop(self, e: _Entry) -> None:
+        e.dropped = True
+        tenant = e.ticket.tenant
+        heap = self._heaps[tenant]
+        if len(heap) > 2 * self._live[tenant] + 16:
+            heap[:] = [item for item in heap if not item[2].dropped]
+            heapq.heapify(heap)
+        self._forget_one(tenant)
+
+    def entries(self) -> list[_Entry]:
+        return [item[2] for heap in self._heaps.values() for item in heap if not item[2].dropped]
+
+    def _forget_one(self, tenant: str) -> None:
+        self.num_live -= 1
+        self._live[tenant] -= 1
+        if self._live[tenant] == 0:
+            del self._live[tenant], self._heaps[tenant]
+            return
+        heap = self._heaps[tenant]
+        while heap[0][2].dropped:
+            heapq.heappop(heap)
 
 
 @dataclass(slots=True)
@@ -183,8 +241,7 @@ class _Worker:
     capacity_tokens: float
     used: list[int]  # NOTE: per bucket: uncached tokens admitted, before their first token
     in_flight: list[int]  # NOTE: per bucket: tickets admitted, before their first token
-    # NOTE: per bucket: tenant -> its queued entries (unsorted; queues are short)
-    queues: list[dict[str, list[_Entry]]] = field(default_factory=list)
+    queues: list[_BucketQueue] = field(default_factory=list)  # NOTE: per bucket
 
 
 class Admission:
@@ -221,7 +278,7 @@ class Admission:
         w = self._workers.pop(worker_id, None)
         if w is None:
             return []
-        queued = [e for q in w.queues for entries in q.values() for e in entries]
+        queued = [e for q in w.queues for e in q.entries()]
         for e in queued:
             self._unqueue_counts(e)
         for rid in [r for r, e in self._entries.items() if e.ticket.worker_id == worker_id]:
@@ -254,11 +311,20 @@ class Admission:
         w = self._worker(ticket.worker_id)
         entry = _Entry(ticket, ticket.arrival_s - self._credit_s(ticket, tokens), self._seq, tokens)
         self._seq += 1
-        if not w.queues[ticket.bucket] and self._fits(w, ticket.bucket, tokens):
+        q = w.queues[ticket.bucket]
+        # NOTE: into a waiting queue it goes only when it becomes the head (a better key than
+        # the head that is waiting) and fits; never past a head that would not fit
+        q.push(entry)
+        if q.head(self._vtime_of) is entry and self._fits(w, ticket.bucket, tokens):
+            q.pop(entry)
             self._admit(w, entry, now_s)
             return True
-        self._check_bounds(ticket.tenant, tokens)
-        self._enqueue(w, entry)
+        try:
+            self._check_bounds(ticket.tenant, tokens)
+        except QueueFull:
+            q.drop(entry)
+            raise
+        self._count_queued(entry)
         return False
 
     def started(self, request_id: str, now_s: float) -> list[Ticket]:
@@ -267,18 +333,20 @@ class Admission:
         return self._release(request_id, now_s)
 
     def done(self, request_id: str, now_s: float) -> list[Ticket]:
-        """It ended (finished, failed or aborted); a queued one is dropped. Idempotent."""
+        """It ended (finished, failed or aborted); a queued one is dropped. Returns the tickets
+        admitted now. Idempotent."""
         e = self._entries.get(request_id)
         if e is not None and not e.admitted:
             self.cancel(request_id)
-            return []
+            return self.admit_ready(e.ticket.worker_id, now_s)
         return self._release(request_id, now_s)
 
     def cancel(self, request_id: str) -> bool:
         """Drop a queued ticket (its client left). False when it is not queued.
 
-        NOTE: this frees no capacity, so it admits nothing; a ticket that was stuck behind the
-        dropped one goes at the bucket's next release (a non-empty queue always has one in
+        NOTE: this frees no capacity but may unblock a queue (the dropped ticket was its head,
+        or held its bucket's reserve): call ``admit_ready`` for the worker to send what fits now.
+        Without it, those go at the bucket's next release (a non-empty queue always has one in
         flight)."""
         e = self._entries.get(request_id)
         if e is None or e.admitted:
@@ -286,13 +354,14 @@ class Admission:
         del self._entries[request_id]
         w = self._workers.get(e.ticket.worker_id)
         if w is not None:
-            q = w.queues[e.ticket.bucket]
-            entries = q[e.ticket.tenant]
-            entries.remove(e)
-            if not entries:
-                del q[e.ticket.tenant]
+            w.queues[e.ticket.bucket].drop(e)
         self._unqueue_counts(e)
         return True
+
+    def admit_ready(self, worker_id: str, now_s: float) -> list[Ticket]:
+        """Admit what fits now on ``worker_id`` (after a ``cancel``); the tickets to send."""
+        w = self._workers.get(worker_id)
+        return [] if w is None else self._pump(w, now_s)
 
     def is_queued(self, request_id: str) -> bool:
         e = self._entries.get(request_id)
@@ -325,14 +394,13 @@ class Admission:
 
     def queued(self, worker_id: str, bucket: int) -> list[Ticket]:
         """The worker's queue of that bucket, in no particular order."""
-        q = self._workers[worker_id].queues[bucket]
-        return [e.ticket for entries in q.values() for e in entries]
+        return [e.ticket for e in self._workers[worker_id].queues[bucket].entries()]
 
     # -- internals ---------------------------------------------------------------------------
 
     def _new_worker(self, capacity: float) -> _Worker:
         n = self.config.num_buckets
-        return _Worker(capacity, [0] * n, [0] * n, [{} for _ in range(n)])
+        return _Worker(capacity, [0] * n, [0] * n, [_BucketQueue() for _ in range(n)])
 
     def _worker(self, worker_id: str) -> _Worker:
         # NOTE: a worker nobody announced (no Welcome yet) has no known cost: no limit
@@ -387,10 +455,9 @@ class Admission:
             if tenant not in self._queued_of:
                 del self._vtime[tenant]
 
-    def _enqueue(self, w: _Worker, e: _Entry) -> None:
+    def _count_queued(self, e: _Entry) -> None:
         t = e.ticket
         self._entries[t.request_id] = e
-        w.queues[t.bucket].setdefault(t.tenant, []).append(e)
         self._num_queued += 1
         self._queued_tokens += e.tokens
         self._queued_of[t.tenant] = self._queued_of.get(t.tenant, 0) + 1
@@ -423,29 +490,18 @@ class Admission:
         admitted: list[Ticket] = []
         for b, q in enumerate(w.queues):
             while q:
-                head = self._head(q)
+                head = q.head(self._vtime_of)
                 if not self._fits(w, b, head.tokens):
                     break
-                self._dequeue(q, head)
+                q.pop(head)
+                self._unqueue_counts(head)
                 self._admit(w, head, now_s)
                 admitted.append(head.ticket)
         return admitted
 
-    def _head(self, q: dict[str, list[_Entry]]) -> _Entry:
-        """The tenant with the smallest virtual time, then its smallest key."""
-        def tenant_key(tenant: str) -> tuple[float, float, int]:
-            best = min(q[tenant], key=_entry_key)
-            return (max(self._vtime.get(tenant, 0.0), self._system_vtime), *_entry_key(best))
-
-        tenant = min(q, key=tenant_key)
-        return min(q[tenant], key=_entry_key)
-
-    def _dequeue(self, q: dict[str, list[_Entry]], e: _Entry) -> None:
-        entries = q[e.ticket.tenant]
-        entries.remove(e)
-        if not entries:
-            del q[e.ticket.tenant]
-        self._unqueue_counts(e)
+    def _vtime_of(self, tenant: str) -> float:
+        """A tenant's virtual start time: its own, or the system's when it has fallen behind."""
+        return max(self._vtime.get(tenant, 0.0), self._system_vtime)
 
     def _check_bounds(self, tenant: str, tokens: int) -> None:
         cfg = self.config
@@ -488,10 +544,6 @@ class Admission:
         self._drain_rate = sample if prev is None else alpha * sample + (1 - alpha) * prev
         self._drain_since_s = now_s if self._num_queued else None
         self._drain_tokens = 0
-
-
-def _entry_key(e: _Entry) -> tuple[float, int]:
-    return (e.key, e.seq)
 
 
 def capacity_tokens(cost: CostModel, max_batched_tokens: int, window_s: float) -> float:

@@ -224,3 +224,14 @@ def test_weighted_tenants_share_a_busy_bucket() -> None:
         served.append(head[0])
     gold, silver = served.count("g"), served.count("s")
     assert 2.5 <= gold / silver <= 3.5, served
+
+
+def test_offer_goes_ahead_only_as_head_that_fits() -> None:
+    adm = _make()
+    assert adm.offer(_ticket("busy", 2500), 0.0)  # NOTE: bucket 1, reserve 3,000
+    assert not adm.offer(_ticket("cold_big", 9000, arrival_s=0.0), 0.0)  # NOTE: head, too big
+    # NOTE: a fully cached arrival has the better key and fits: it goes at once
+    assert adm.offer(_ticket("warm", 20_000, 17_500, arrival_s=0.5), 0.5)
+    # NOTE: a later cold one of the same size has a worse key than the head: it waits
+    assert not adm.offer(_ticket("cold_small", 2500, arrival_s=9.0), 9.0)
+    assert adm.num_queued == 2

@@ -179,3 +179,19 @@ async def test_metrics_render() -> None:
     assert "agentgate_admission_admitted_total 1.0" in text
     assert "agentgate_admission_queued_requests 0.0" in text
     assert "agentgate_admission_wait_seconds_count 1.0" in text
+
+
+@_run
+async def test_cancelling_a_blocking_head_lets_the_next_go() -> None:
+    gate, _ = _make_gate()
+    await gate.admit(_ticket("small_busy", 2500))  # NOTE: bucket 1 (reserve 3,000) in use
+    # NOTE: the head (cold, 9,000) blocks; the warm one behind it would fit the reserve
+    head = asyncio.create_task(gate.admit(_ticket("head", 9000)))
+    await _settle()
+    behind = asyncio.create_task(gate.admit(Ticket("behind", "w", "", 5000, 2500, 9.0)))
+    await _settle()
+    assert gate.admission.num_queued == 2 and not behind.done()
+    head.cancel()
+    await asyncio.gather(head, return_exceptions=True)
+    await asyncio.wait_for(behind, 5)
+    assert gate.admission.num_queued == 0

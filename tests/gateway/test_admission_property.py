@@ -5,6 +5,8 @@ between weighted tenants."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import hypothesis.strategies as st
 from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -90,10 +92,12 @@ class AdmissionMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.queued)))
+        worker = self.queued[rid].worker_id
         assert self.adm.cancel(rid)
         assert not self.adm.cancel(rid)
         del self.queued[rid]
         self.gone.add(rid)
+        self._take(self.adm.admit_ready(worker, self.now_s))
 
     @rule(dt=st.sampled_from([0.1, 1.0, 7.0]))
     def tick(self, dt: float) -> None:
@@ -189,3 +193,33 @@ def test_weighted_fairness_bound(weights: tuple[int, int], sizes: list[int]) -> 
         assert in_flight, "a backlogged queue stopped"
     lag = abs(served["x"] / weights[0] - served["y"] / weights[1])
     assert lag <= 3 * max(sizes), (served, weights)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tickets=st.lists(st.tuples(st.sampled_from(WORKERS), st.sampled_from(TENANTS),
+                                  st.integers(1, 80_000), st.integers(0, 100)),
+                        min_size=1, max_size=40))
+def test_everything_queued_is_admitted_once_capacity_frees(
+    tickets: list[tuple[str, str, int, int]]
+) -> None:
+    """No new arrivals: each round starts every admitted ticket (their prefill done); each
+    round admits at least one queued ticket while any waits, so all go within len rounds."""
+    adm = Admission(dataclasses.replace(CFG, max_queued=100, max_queued_per_tenant=100))
+    for w in WORKERS:
+        adm.add_worker(w, COST, 512)
+    admitted: list[str] = []
+    for i, (worker, tenant, n, pct) in enumerate(tickets):
+        if adm.offer(Ticket(f"r{i}", worker, tenant, n, n * pct // 100, 0.0), 0.0):
+            admitted.append(f"r{i}")
+    seen = set(admitted)
+    rounds = 0
+    while admitted:
+        rounds += 1
+        assert rounds <= len(tickets), f"{adm.num_queued} still queued after {rounds} rounds"
+        now, admitted = list(admitted), []
+        for rid in now:
+            for t in adm.started(rid, float(rounds)):
+                assert t.request_id not in seen, f"{t.request_id} admitted twice"
+                seen.add(t.request_id)
+                admitted.append(t.request_id)
+    assert adm.num_queued == 0 and len(seen) == len(tickets)
