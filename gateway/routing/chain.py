@@ -7,12 +7,17 @@ prompt-cache key) it remembers, per ``(key, cache_salt)``, the tokens it hashed 
 form of a fingerprint and the hashes themselves; when the new tokens extend the remembered ones it
 hashes only the pages after them (``prev=`` the last remembered hash).
 
+``PrefixHasher.routable(token_ids, cache_salt, key)`` is the same chain cut to the routable
+pages (``routable_hashes``) as a read-only view of the hasher's memory (``memoryview`` of an
+int64 array): the router's hot path, with no O(pages) copy. Hashes are stored 8 bytes each.
+
 The fingerprint (checked in O(page_size + num_samples), never O(history)):
 
 * the number of tokens hashed (``n``, a page multiple): the new tokens must be at least as long;
 * the first and the last hashed page's tokens, compared in full;
-* ``num_samples`` positions in ``[0, n - page_size)``, one drawn at random (per hasher, from
-  ``os.urandom``) inside each of ``num_samples`` equal strides, compared by value.
+* between ``num_samples`` and twice that many positions in ``[0, n - page_size)``, spread
+  evenly (each extension samples its new region at the same density, from a random phase drawn
+  from a generator seeded by ``os.urandom``), compared by value.
 
 NOTE (what the fingerprint can miss): new tokens that agree with the remembered ones on the first
 and last remembered pages and on every sampled position, but differ somewhere else before the
@@ -31,9 +36,13 @@ from __future__ import annotations
 
 import os
 import random
+import sys
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from xxhash import xxh3_64_intdigest
 
 from engine.hashing import page_hashes
 
@@ -54,10 +63,11 @@ def routable_hashes(hashes: Sequence[int], num_tokens: int, page_size: int) -> S
 @dataclass(slots=True)
 class _Entry:
     num_tokens: int  # tokens hashed: len(hashes) * page_size
-    hashes: list[int]
+    hashes: array  # "q": signed int64, never changed once stored
     first_page: list[int]  # tokens [0, page_size)
     last_page: list[int]  # tokens [num_tokens - page_size, num_tokens)
-    samples: list[tuple[int, int]]  # (position, token id) in [0, num_tokens - page_size)
+    positions: list[int]  # sampled, in [0, num_tokens - page_size)
+    values: list[int]  # the token ids there
     tokens: list[int] | None  # verify="full" only: the whole hashed prefix
 
 
@@ -67,7 +77,7 @@ class PrefixHasher:
     Args:
         page_size: tokens per page (the workers' ``Welcome.page_size``).
         max_keys: keys remembered (least recently used dropped); memory is about
-            ``max_keys * (8 * pages + 40 * num_samples)`` bytes plus the hash lists.
+            ``max_keys * (8 * pages + 100 * num_samples)`` bytes.
         num_samples: sampled positions per fingerprint.
         verify: "sample" (the fingerprint) or "full" (exact, O(n) per call, keeps a copy of the
             tokens: 8 bytes a token).
@@ -98,33 +108,19 @@ class PrefixHasher:
     ) -> list[int]:
         """``page_hashes(token_ids, page_size, cache_salt)``, incrementally under ``key``.
 
-        The list returned under a key is shared with the hasher's memory: read it, never change
-        it (each call that extends a chain returns a new list).
-
         Raises:
             ValueError: as ``page_hashes`` (bad token ids).
         """
-        if key is None:
-            self.num_full += 1
-            return page_hashes(token_ids, self.page_size, cache_salt)
-        ident = (key, cache_salt or "")
-        entry = self._entries.get(ident)
-        if entry is not None and self._extends(entry, token_ids):
-            self._entries.move_to_end(ident)
-            self.num_incremental += 1
-            if entry.hashes:
-                new = page_hashes(token_ids[entry.num_tokens :], self.page_size,
-                                  prev=entry.hashes[-1])
-            else:
-                new = page_hashes(token_ids, self.page_size, cache_salt)
-            if not new:
-                return entry.hashes  # NOTE: the fingerprint stands as it is
-            hashes = entry.hashes + new
-        else:
-            self.num_full += 1
-            hashes = page_hashes(token_ids, self.page_size, cache_salt)
-        self._remember(ident, token_ids, hashes)
-        return hashes
+        return self._chain(token_ids, cache_salt, key).tolist()
+
+    def routable(
+        self, token_ids: Sequence[int], cache_salt: str | None, key: str | None = None
+    ) -> Sequence[int]:
+        """``routable_hashes(self.hashes(...), len(token_ids), page_size)`` as a read-only view
+        of the hasher's memory: no O(pages) copy, so a 100k-token turn costs only its new pages.
+        The view stays valid (and unchanged) after later calls."""
+        chain = memoryview(self._chain(token_ids, cache_salt, key)).toreadonly()
+        return routable_hashes(chain, len(token_ids), self.page_size)
 
     def forget(self, key: str, cache_salt: str | None = None) -> None:
         self._entries.pop((key, cache_salt or ""), None)
@@ -133,6 +129,27 @@ class PrefixHasher:
         return len(self._entries)
 
     # ---------------------------------------------------------------- internals
+
+    def _chain(self, token_ids: Sequence[int], cache_salt: str | None, key: str | None) -> array:
+        """The whole chain; a remembered array is never changed (a longer chain is a new one),
+        so views handed out stay what they were."""
+        if key is None:
+            self.num_full += 1
+            return array("q", page_hashes(token_ids, self.page_size, cache_salt))
+        ident = (key, cache_salt or "")
+        entry = self._entries.get(ident)
+        if entry is not None and entry.hashes and self._extends(entry, token_ids):
+            self._entries.move_to_end(ident)
+            self.num_incremental += 1
+            new = _hash_tail(token_ids[entry.num_tokens :], self.page_size, entry.hashes[-1])
+            if not new:
+                return entry.hashes  # NOTE: the fingerprint stands as it is
+            hashes = entry.hashes + new
+        else:
+            self.num_full += 1
+            hashes, entry = array("q", page_hashes(token_ids, self.page_size, cache_salt)), None
+        self._remember(ident, token_ids, hashes, entry)
+        return hashes
 
     def _extends(self, entry: _Entry, token_ids: Sequence[int]) -> bool:
         n, p = entry.num_tokens, self.page_size
@@ -143,27 +160,74 @@ class PrefixHasher:
         if n and (list(token_ids[n - p : n]) != entry.last_page
                   or list(token_ids[:p]) != entry.first_page):
             return False
-        return all(token_ids[i] == v for i, v in entry.samples)
+        return list(map(token_ids.__getitem__, entry.positions)) == entry.values
 
     def _remember(
-        self, ident: tuple[str, str], token_ids: Sequence[int], hashes: list[int]
+        self, ident: tuple[str, str], token_ids: Sequence[int], hashes: array,
+        extended: _Entry | None = None,
     ) -> None:
+        """Fingerprint ``token_ids[:n]``; ``extended``: the entry this call extended, whose
+        first page and samples still hold (only the new region is sampled, at the same
+        density; past twice ``num_samples`` every other sample goes)."""
         p = self.page_size
         n = len(hashes) * p
         tokens = list(map(int, token_ids[:n])) if self.verify == "full" else None
-        self._entries[ident] = _Entry(
-            n, hashes, list(map(int, token_ids[:p])) if n else [],
-            list(map(int, token_ids[n - p : n])) if n else [],
-            self._samples(token_ids, n - p), tokens)
+        if extended is None or extended.num_tokens == 0:
+            first, positions = list(map(int, token_ids[:p])), self._positions(0, n - p)
+        else:
+            first = extended.first_page
+            positions = extended.positions + self._positions(extended.num_tokens - p, n - p)
+            if len(positions) > 2 * self.num_samples:
+                positions = positions[::2]
+        values = list(map(int, map(token_ids.__getitem__, positions)))
+        self._entries[ident] = _Entry(n, hashes, first, list(map(int, token_ids[n - p : n])),
+                                      positions, values, tokens)
         self._entries.move_to_end(ident)
         while len(self._entries) > self.max_keys:
             self._entries.popitem(last=False)
 
-    def _samples(self, token_ids: Sequence[int], limit: int) -> list[tuple[int, int]]:
-        """One random position in each of ``num_samples`` strides of ``[0, limit)``."""
-        if limit <= 0 or self.num_samples == 0:
+    def _positions(self, lo: int, hi: int) -> list[int]:
+        """Positions of ``[lo, hi)``, about ``(hi - lo) * num_samples / hi`` of them (at least
+        one), evenly spaced from a random phase (drawn per call)."""
+        if hi <= lo or self.num_samples == 0:
             return []
-        count = min(self.num_samples, limit)
-        bounds = [limit * i // count for i in range(count + 1)]
-        positions = (self._rng.randrange(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo)
-        return [(i, int(token_ids[i])) for i in positions]
+        stride = max(1, hi // self.num_samples)
+        positions = range(lo + self._rng.randrange(stride), hi, stride)
+        return list(positions) if positions else [self._rng.randrange(lo, hi)]
+
+
+_U64_MASK = 2**64 - 1
+_FAST_U32 = (array("I").itemsize == 4 and array("q").itemsize == 8
+             and sys.byteorder == "little")
+
+
+def _hash_tail(token_ids: Sequence[int], page_size: int, prev: int) -> array:
+    """``page_hashes(token_ids, page_size, prev=prev)`` as an array, without numpy for a
+    list of ids below 2**32 (the common case: a turn's few hundred new tokens).
+
+    NOTE: the byte layout is ``engine.hashing``'s (prev as u64 little-endian, then the page's
+    ids as u32 little-endian); tests/gateway/test_routing_chain.py checks the two agree. Ids
+    that do not fit a u32 (or are not ints) go through ``page_hashes``, which also raises its
+    ValueError for bad ones.
+    """
+    num_pages = len(token_ids) // page_size
+    if num_pages == 0:
+        return array("q")
+    ids = token_ids[: num_pages * page_size]
+    try:
+        if not _FAST_U32 or not isinstance(ids, list):
+            raise TypeError
+        data = array("I", ids).tobytes()
+    except (TypeError, OverflowError):
+        return array("q", page_hashes(ids, page_size, prev=prev))
+    stride = 4 * page_size
+    chain = (prev & _U64_MASK).to_bytes(8, "little")
+    chains = []
+    # NOTE: each hash stays in its little-endian u64 bytes (the next page's prefix); the array
+    # reads them back as int64, which is the signed form, with no Python int work per page
+    for start in range(0, len(data), stride):
+        chain = xxh3_64_intdigest(chain + data[start : start + stride]).to_bytes(8, "little")
+        chains.append(chain)
+    out = array("q")
+    out.frombytes(b"".join(chains))
+    return out

@@ -219,19 +219,21 @@ class KVIndex:
         out = {}
         if not page_hashes:
             return out
+        hint = 0  # NOTE: workers often share a match end (a system prompt): try it first
         for worker_id, w in self._workers.items():
-            result = _match_one(w, page_hashes, now_s)
+            result = _match_one(w, page_hashes, now_s, hint)
             if result.full_pages:
                 out[worker_id] = result
+                hint = result.full_pages
         return out
 
-    def confirmed_pages(self, worker_id: str, page_hashes: Sequence[int]) -> int:
+    def confirmed_pages(self, worker_id: str, page_hashes: Sequence[int], hint: int = 0) -> int:
         """The raw match of ``page_hashes`` on ``worker_id`` from events alone (no
-        predictions, no LRU touch)."""
+        predictions, no LRU touch); ``hint``: a likely answer, checked first."""
         w = self._workers.get(worker_id)
         if w is None or not page_hashes:
             return 0
-        return _full_pages(w.pages, None, None, page_hashes)
+        return _full_pages(w.pages, None, None, page_hashes, hint)
 
     # ---------------------------------------------------------------- predictions
 
@@ -253,11 +255,16 @@ class KVIndex:
         added, num_new = [], 0
         pred, pages = w.pred, w.pages
         for h in page_hashes[from_page:]:
-            if h not in pages:
-                # NOTE: a renewed entry is listed again: the older queue item leaves it alone
-                num_new += h not in pred
-                pred[h] = max(until_s, pred.get(h, until_s))
-                added.append(h)
+            if h in pages:
+                continue
+            # NOTE: a renewed entry is listed again: the older queue item leaves it alone
+            old = pred.get(h)
+            if old is None:
+                num_new += 1
+                pred[h] = until_s
+            elif old < until_s:
+                pred[h] = until_s
+            added.append(h)
         ends = []
         for d in checkpoint_pages:
             if 1 <= d <= len(page_hashes):
@@ -456,24 +463,47 @@ class KVIndex:
             self.stats.evicted_pages += 1
 
 
-def _match_one(w: _Worker, page_hashes: Sequence[int], now_s: float | None) -> MatchResult:
+def _match_one(
+    w: _Worker, page_hashes: Sequence[int], now_s: float | None, hint: int = 0
+) -> MatchResult:
     """The engine's rule (``PrefixCache.match``) with "live SWA" = inside a live checkpoint's
     window (``w.cover``), or at a live predicted checkpoint (``w.pred_ckpts``)."""
     pred = w.pred if now_s is not None and w.pred else None
-    full = _full_pages(w.pages, pred, now_s, page_hashes)
+    full = _full_pages(w.pages, pred, now_s, page_hashes, hint)
     if full == 0:
         return MatchResult(0, 0)
-    if page_hashes[full - 1] in w.pages:
-        w.pages.move_to_end(page_hashes[full - 1])  # NOTE: the match end counts as used
+    end = page_hashes[full - 1]
+    if end in w.pages:
+        w.pages.move_to_end(end)  # NOTE: the match end counts as used
     k = w.window_pages
     if k == 0:
         return MatchResult(full, full)
-    usable = 0 if k is None or not w.cover else _usable_pages(w.cover, k, page_hashes, full)
+    window = w.ckpts.get(end)
+    if k is not None and window is not None and len(window) >= min(k, full):
+        # NOTE: a live checkpoint at the match end: its k pages have live SWA (the engine's
+        # invariant), whatever the index's cap forgot of them
+        return MatchResult(full, full)
+    predicted = 0
     if now_s is not None and w.pred_ckpts:
-        for h, (d, until_s) in w.pred_ckpts.items():
-            if usable < d <= full and until_s > now_s and page_hashes[d - 1] == h:
-                usable = d
-    return MatchResult(full, usable)
+        predicted = _predicted_usable(w.pred_ckpts, page_hashes, full, now_s)
+        if predicted == full:
+            return MatchResult(full, full)
+    usable = 0 if k is None or not w.cover else _usable_pages(w.cover, k, page_hashes, full)
+    return MatchResult(full, max(usable, predicted))
+
+
+def _predicted_usable(
+    ckpts: dict[int, tuple[int, float]], page_hashes: Sequence[int], full: int, now_s: float
+) -> int:
+    """The deepest live predicted checkpoint on the query's matched part."""
+    end = ckpts.get(page_hashes[full - 1])
+    if end is not None and end[0] == full and end[1] > now_s:
+        return full  # NOTE: the common case: a sibling extends the predicted prompt
+    usable = 0
+    for h, (d, until_s) in ckpts.items():
+        if usable < d <= full and until_s > now_s and page_hashes[d - 1] == h:
+            usable = d
+    return usable
 
 
 def _full_pages(
@@ -481,23 +511,28 @@ def _full_pages(
     pred: dict[int, float] | None,
     now_s: float | None,
     page_hashes: Sequence[int],
+    hint: int = 0,
 ) -> int:
     """Length of the cached (confirmed or predicted) prefix of ``page_hashes``, by binary
-    search: "page i cached" is monotone in i for a prefix-closed cache (module docstring)."""
+    search: "page i cached" is monotone in i for a prefix-closed cache (module docstring).
+    ``hint``: a likely answer, checked first (two lookups)."""
+    if pred is None:
+        has = pages.__contains__
+    else:
 
-    def has(h: int) -> bool:
-        if h in pages:
-            return True
-        if pred is None:
-            return False
-        until_s = pred.get(h)
-        return until_s is not None and until_s > now_s  # type: ignore[operator]
+        def has(h: int) -> bool:
+            if h in pages:
+                return True
+            until_s = pred.get(h)
+            return until_s is not None and until_s > now_s  # type: ignore[operator]
 
     n = len(page_hashes)
-    if has(page_hashes[n - 1]):
-        return n
     if not has(page_hashes[0]):
         return 0
+    if has(page_hashes[n - 1]):
+        return n
+    if 0 < hint < n and has(page_hashes[hint - 1]) and not has(page_hashes[hint]):
+        return hint
     lo, hi = 0, n - 1  # NOTE: page lo cached, page hi not
     while hi - lo > 1:
         mid = (lo + hi) // 2

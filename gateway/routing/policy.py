@@ -38,6 +38,7 @@ import contextlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.cost import CostModel
 from engine.protocol import LoadReport
@@ -53,6 +54,14 @@ DEFAULT_MAX_AFFINITY_KEYS = 100_000
 DEFAULT_MAX_BATCHED_TOKENS = 512
 
 
+class _Consts(NamedTuple):
+    cost: CostModel
+    batch: int  # max_batched_tokens
+
+
+_DEFAULT_CONSTS = _Consts(CostModel(), DEFAULT_MAX_BATCHED_TOKENS)
+
+
 @dataclass(slots=True)
 class _Estimate:
     worker_id: str
@@ -66,8 +75,14 @@ class _Estimate:
 @dataclass(slots=True)
 class _Sent:
     worker_id: str
+    uncached_tokens: int
     qk_pairs: int
     prefilling: bool = True
+
+
+# NOTE: a worker's load as route() reads it, one list per worker: LoadTracker's counts (kept in
+# step with it: the property test checks) plus the (query, key) pairs of the prefills ahead
+PREFILL, QK, DECODING, IN_FLIGHT = range(4)
 
 
 class AgentgateRouter:
@@ -108,10 +123,11 @@ class AgentgateRouter:
         self.load = LoadTracker()
         self._lock = lock if lock is not None else contextlib.nullcontext()
         self._workers: dict[str, WorkerInfo] = {}
+        self._consts: dict[str, _Consts] = {}
         self._order: dict[str, int] = {}  # worker -> position in the round-robin ring
         self._next_position = 0
         self._rr = 0
-        self._queued_qk: dict[str, int] = {}
+        self._wl: dict[str, list[int]] = {}
         self._sent: dict[str, _Sent] = {}
         self._routed: OrderedDict[str, _Estimate] = OrderedDict()  # route() -> dispatched()
         self._affinity: OrderedDict[str, str] = OrderedDict()
@@ -121,11 +137,12 @@ class AgentgateRouter:
 
     def add_worker(self, info: WorkerInfo) -> None:
         self._workers[info.worker_id] = info
+        self._consts[info.worker_id] = _Consts(info.cost, info.max_batched_tokens)
         if info.worker_id not in self._order:
             self._order[info.worker_id] = self._next_position
             self._next_position += 1
         self.load.add_worker(info.worker_id)
-        self._queued_qk.setdefault(info.worker_id, 0)
+        self._wl.setdefault(info.worker_id, [0, 0, 0, 0])
         with self._lock:
             # NOTE: what the index knows already (events, or whoever built it) stands
             if self.index.window_pages(info.worker_id) is None:
@@ -136,9 +153,10 @@ class AgentgateRouter:
     def remove_worker(self, worker_id: str) -> None:
         """Forget the worker: its load, its in-flight requests, affinities to it, its pages."""
         self._workers.pop(worker_id, None)
+        self._consts.pop(worker_id, None)
         self._order.pop(worker_id, None)
         self.load.remove_worker(worker_id)
-        self._queued_qk.pop(worker_id, None)
+        self._wl.pop(worker_id, None)
         for rid in [r for r, s in self._sent.items() if s.worker_id == worker_id]:
             del self._sent[rid]
         for key in [k for k, w in self._affinity.items() if w == worker_id]:
@@ -158,17 +176,30 @@ class AgentgateRouter:
             self._now_s = max(self._now_s, now_s)
         with self._lock:
             matches = self.index.match(req.page_hashes, self._now_s) if req.page_hashes else {}
-        estimates = [self._estimate(req, w, matches.get(w)) for w in candidates]
-        best = min(estimates, key=self._rank_key)
-        chosen, reason = best, self._reason(best, estimates)
+        memo: dict[tuple[int, int], tuple[int, int, float]] = {}
         sticky = self._sticky_worker(req)
-        if sticky is not None:
-            mine = next((e for e in estimates if e.worker_id == sticky), None)
-            if mine is not None:
-                if self._keeps(mine, best):
-                    chosen, reason = mine, "affinity"
-                else:
-                    reason = "moved_for_load"
+        best = mine = None
+        best_key = None
+        credited = False  # NOTE: did any candidate have window-safe credit?
+        ring, rr, wl = max(1, self._next_position), self._rr, self._wl
+        for w in candidates:
+            e = self._estimate(req, w, matches.get(w), memo)
+            # NOTE: ties: fewest in flight, then round robin from the last pick
+            key = (e.score, wl[w][IN_FLIGHT] if w in wl else 0,
+                   (self._order.get(w, ring) - rr) % ring)
+            if best_key is None or key < best_key:
+                best, best_key = e, key
+            if w == sticky:
+                mine = e
+            credited = credited or e.cached_tokens > 0
+        assert best is not None
+        chosen = best
+        reason = "prefix" if best.cached_tokens else ("load" if credited else "cold")
+        if mine is not None:
+            if self._keeps(mine, best):
+                chosen, reason = mine, "affinity"
+            else:
+                reason = "moved_for_load"
         self._rr = self._order.get(chosen.worker_id, self._rr) + 1
         self._remember_route(req.request_id, chosen)
         return Decision(chosen.worker_id, chosen.cached_tokens, reason, chosen.ttft_s)
@@ -182,8 +213,12 @@ class AgentgateRouter:
             est = self._estimate(req, worker_id, match)
         uncached = req.num_tokens - est.cached_tokens
         self.load.dispatched(req.request_id, worker_id, uncached)
-        self._sent[req.request_id] = _Sent(worker_id, est.qk_pairs)
-        self._queued_qk[worker_id] = self._queued_qk.get(worker_id, 0) + est.qk_pairs
+        self._release(req.request_id)  # NOTE: as LoadTracker: a re-sent id ends the old one
+        self._sent[req.request_id] = _Sent(worker_id, uncached, est.qk_pairs)
+        wl = self._wl.setdefault(worker_id, [0, 0, 0, 0])
+        wl[PREFILL] += uncached
+        wl[QK] += est.qk_pairs
+        wl[IN_FLIGHT] += 1
         if req.affinity_key is not None:
             self._affinity[req.affinity_key] = worker_id
             self._affinity.move_to_end(req.affinity_key)
@@ -195,13 +230,19 @@ class AgentgateRouter:
     def first_token(self, request_id: str, now_s: float) -> None:
         self._now_s = max(self._now_s, now_s)
         self.load.first_token(request_id)
-        self._end_prefill(request_id)
+        s = self._sent.get(request_id)
+        if s is not None and s.prefilling:
+            s.prefilling = False
+            wl = self._wl.get(s.worker_id)
+            if wl is not None:
+                wl[PREFILL] -= s.uncached_tokens
+                wl[QK] -= s.qk_pairs
+                wl[DECODING] += 1
 
     def finished(self, request_id: str, now_s: float) -> None:
         self._now_s = max(self._now_s, now_s)
         self.load.finished(request_id)
-        self._end_prefill(request_id)
-        self._sent.pop(request_id, None)
+        self._release(request_id)
         self._routed.pop(request_id, None)
 
     def load_report(self, worker_id: str, report: LoadReport, now_s: float) -> None:
@@ -215,41 +256,35 @@ class AgentgateRouter:
 
     # ---------------------------------------------------------------- internals
 
-    def _estimate(self, req: RouteRequest, worker_id: str, m: MatchResult | None) -> _Estimate:
-        info = self._workers.get(worker_id)
-        cost = info.cost if info is not None else CostModel()
-        batch = info.max_batched_tokens if info is not None else DEFAULT_MAX_BATCHED_TOKENS
-        p = self.page_size
+    def _estimate(
+        self, req: RouteRequest, worker_id: str, m: MatchResult | None,
+        memo: dict[tuple[int, int], tuple[int, int, float]] | None = None,
+    ) -> _Estimate:
+        """Predicted TTFT and score of ``req`` on ``worker_id`` (``memo``: the request's own
+        prefill figures, shared by workers with the same credit and cost model)."""
+        c = self._consts.get(worker_id, _DEFAULT_CONSTS)
         # NOTE: the last prompt token is always computed, whatever the hashes claim
-        cached = 0 if m is None else min(m.usable_pages * p, max(0, req.num_tokens - 1))
-        full = 0 if m is None else m.full_pages * p
-        uncached = max(1, req.num_tokens - cached)
-        qk = prefill_qk_pairs(cached, uncached, batch)
-        ttft = predict_ttft_s(
-            cost, batch, uncached_tokens=uncached, qk_pairs=qk,
-            queued_tokens=max(0, self.load.prefill_tokens(worker_id)),
-            queued_qk_pairs=max(0, self._queued_qk.get(worker_id, 0)),
-            num_decoding=max(0, self.load.num_decoding(worker_id)),
-        )
-        score = ttft + self.work_weight * prefill_work_s(cost, uncached, qk)
-        return _Estimate(worker_id, cached, full, ttft, score, qk)
-
-    def _rank_key(self, e: _Estimate) -> tuple[float, int, int]:
-        n = max(1, self._next_position)
-        position = (self._order.get(e.worker_id, n) - self._rr) % n
-        return (e.score, self.load.num_in_flight(e.worker_id), position)
+        cached = 0 if m is None else min(m.usable_pages * self.page_size, req.num_tokens - 1)
+        # NOTE: keyed by the worker's constants object (hashing a CostModel costs more)
+        own = None if memo is None else memo.get((cached, id(c)))
+        if own is None:
+            uncached = max(1, req.num_tokens - cached)
+            qk = prefill_qk_pairs(cached, uncached, c.batch)
+            own = (uncached, qk, prefill_work_s(c.cost, uncached, qk))
+            if memo is not None:
+                memo[(cached, id(c))] = own
+        uncached, qk, work_s = own
+        wl = self._wl.get(worker_id) or [0, 0, 0, 0]
+        ttft = predict_ttft_s(c.cost, c.batch, uncached_tokens=uncached, qk_pairs=qk,
+                              queued_tokens=wl[PREFILL], queued_qk_pairs=wl[QK],
+                              num_decoding=wl[DECODING])
+        full = 0 if m is None else m.full_pages * self.page_size
+        return _Estimate(worker_id, max(0, cached), full, ttft, ttft + self.work_weight * work_s,
+                         qk)
 
     def _keeps(self, mine: _Estimate, best: _Estimate) -> bool:
         return (mine.ttft_s <= best.ttft_s + self.margin_s
                 or mine.ttft_s <= best.ttft_s * self.margin_ratio)
-
-    @staticmethod
-    def _reason(best: _Estimate, estimates: list[_Estimate]) -> str:
-        if best.cached_tokens > 0:
-            return "prefix"
-        if any(e.cached_tokens > 0 for e in estimates):
-            return "load"
-        return "cold"
 
     def _sticky_worker(self, req: RouteRequest) -> str | None:
         if req.sticky_worker is not None:
@@ -265,11 +300,17 @@ class AgentgateRouter:
         while len(self._routed) > 4096:
             self._routed.popitem(last=False)
 
-    def _end_prefill(self, request_id: str) -> None:
-        s = self._sent.get(request_id)
-        if s is not None and s.prefilling:
-            s.prefilling = False
-            self._queued_qk[s.worker_id] = self._queued_qk.get(s.worker_id, 0) - s.qk_pairs
+    def _release(self, request_id: str) -> None:
+        s = self._sent.pop(request_id, None)
+        wl = None if s is None else self._wl.get(s.worker_id)
+        if s is None or wl is None:
+            return
+        if s.prefilling:
+            wl[PREFILL] -= s.uncached_tokens
+            wl[QK] -= s.qk_pairs
+        else:
+            wl[DECODING] -= 1
+        wl[IN_FLIGHT] -= 1
 
     def _predict(self, req: RouteRequest, worker_id: str, est: _Estimate, now_s: float) -> None:
         p = self.page_size
@@ -280,7 +321,7 @@ class AgentgateRouter:
             ends.append(raw)  # NOTE: an observed branch point (module docstring)
         with self._lock:
             # NOTE: pages already confirmed need no entry (a 100k-token turn adds only its delta)
-            confirmed = self.index.confirmed_pages(worker_id, req.page_hashes)
+            confirmed = self.index.confirmed_pages(worker_id, req.page_hashes, hint=raw)
             self.index.predict(worker_id, req.page_hashes, now_s + self.optimistic_ttl_s,
                                from_page=confirmed, checkpoint_pages=ends)
 

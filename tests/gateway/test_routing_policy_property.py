@@ -26,6 +26,7 @@ OP = st.one_of(
     st.tuples(st.just("add"), st.sampled_from(WORKERS)),
     st.tuples(st.just("stored"), st.sampled_from(WORKERS), st.integers(0, 2), st.integers(1, 30)),
     st.tuples(st.just("report"), st.sampled_from(WORKERS), st.floats(0, 3)),
+    st.tuples(st.just("resend"), st.integers(0, 50), st.sampled_from(WORKERS)),
 )
 
 
@@ -75,6 +76,11 @@ class _Caller:
                             token_ids=[0] * (PAGE * len(chain)), block_size=PAGE),
                 SwaCheckpointStored(block_hashes=[chain[-1]], window=8)])
             assert index.apply(w, index.next_seq(w), batch) is None
+        elif kind == "resend" and self.open and op[2] in self.live:
+            # NOTE: the caller sends a request it had sent again (a retry elsewhere)
+            rid = self.open[op[1] % len(self.open)]
+            req = RouteRequest(request_id=rid, num_tokens=9, page_hashes=CHAINS[0][:2])
+            self.router.dispatched(req, op[2], self.now_s)
         elif kind == "report":
             self.now_s += op[2]
             self.router.load_report(op[1], _report(op[1]), self.now_s)
@@ -94,19 +100,29 @@ class _Caller:
         self.open.append(req.request_id)
 
 
+def _assert_mirror(router: AgentgateRouter) -> None:
+    """The router's per-worker load lists agree with its LoadTracker."""
+    load = router.load
+    for w, (prefill, _, decoding, in_flight) in router._wl.items():
+        got = (prefill, decoding, in_flight)
+        want = (load.prefill_tokens(w), load.num_decoding(w), load.num_in_flight(w))
+        assert got == want, (w, got, want)
+
+
 @settings(max_examples=300, deadline=None)
 @given(ops=st.lists(OP, max_size=60), ttl_s=st.sampled_from([0.0, 1.0, 5.0]))
 def test_only_candidates_and_counts_return_to_zero(ops: list, ttl_s: float) -> None:
     caller = _Caller(ttl_s)
     for op in ops:
         caller.apply(op)
+        _assert_mirror(caller.router)
     for rid in list(caller.open):
         caller.router.finished(rid, caller.now_s)
     load = caller.router.load
     for w in WORKERS:
         counts = (load.prefill_tokens(w), load.num_decoding(w), load.num_in_flight(w))
         assert counts == (0, 0, 0), (w, counts)
-        assert caller.router._queued_qk.get(w, 0) == 0, w
+        assert caller.router._wl.get(w, [0, 0, 0, 0]) == [0, 0, 0, 0], w
     assert not caller.router._sent
     caller.router.index.expire(caller.now_s + ttl_s)
     assert caller.router.index.num_predicted_pages == 0
