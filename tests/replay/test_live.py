@@ -151,3 +151,11 @@ def _with_input(r: TraceRequest, reqs: list[TraceRequest]) -> TraceRequest:
 def test_processes_are_stopped_when_the_replay_fails(no_leftover_processes: None) -> None:
     with pytest.raises((TimeoutError, asyncio.TimeoutError)):
         replay_live(_agent_slice(), CFG, router=None, timeout_s=0.5)
+
+
+def test_a_gateway_that_cannot_start_is_a_clear_error(no_leftover_processes: None) -> None:
+    """Workers too small to start: the error carries the gateway's own words."""
+    tiny = ReplayConfig(num_workers=1, kv_budget_tokens=1, retention=False)
+    with pytest.raises(RuntimeError, match="agentgate serve exited") as err:
+        replay_live(_agent_slice()[:2], tiny, router=None)
+    assert "budget" in str(err.value)
