@@ -192,14 +192,16 @@ class Replay:
         for r in self.requests.values():
             if r.parent is None:
                 self._push((r.arrival_s or 0.0) / scale, _ARRIVE, r)
-        total, report_every = len(self.requests), max(1, len(self.requests) // 200)
+        total, every = len(self.requests), max(1, len(self.requests) // 200)
+        next_report = every
         while self.heap:
             now, _, kind, obj = heapq.heappop(self.heap)
             if kind == _ARRIVE:
                 self._arrive(obj, now)
             else:
                 self._step_done(obj, now)
-            if self.progress is not None and self.num_done % report_every == 0:
+            if self.progress is not None and self.num_done >= next_report:
+                next_report = self.num_done + every
                 self.progress(self.num_done, total)
         if self.progress is not None:
             self.progress(self.num_done, total)

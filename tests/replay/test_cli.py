@@ -127,3 +127,18 @@ def test_progress_bar_draws_overall_fraction(capsys: pytest.CaptureFixture[str])
     bar.close()
     err = capsys.readouterr().err
     assert "50.0%" in err, err  # b not started: counted as big as a
+
+
+def test_synthetic_agent_workload_replays_with_admission_and_retention(tmp_path: Path) -> None:
+    out = tmp_path / "agent.json"
+    args = ["replay", "--synthetic", "agent", "--seed", "1", "--sessions", "8", "--limit", "30",
+            "--workers", "2", "--kv-budget", "200k", "--policies", "agentgate,global",
+            "--admission", "on", "--retention", "on", "--jobs", "1", "--json", str(out),
+            "--quiet"]
+    assert main(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["workload"]["synthetic"] == "agent" and doc["workload"]["requests"] == 30
+    assert doc["config"]["admission"] is True and doc["config"]["retention"] is True
+    for entry in doc["policies"].values():
+        assert entry["summary"]["num_finished"] + entry["summary"]["num_rejected"] == 30
+    assert "hit_vs_global" in doc["targets"]
