@@ -36,6 +36,7 @@ from gateway.request_id import (
     remove_log_filter,
     request_id_middleware,
 )
+from gateway.routing.admission import AdmissionConfig
 from gateway.routing.index import DEFAULT_MAX_PAGES
 from gateway.routing.registry import ROUTER_NAMES
 
@@ -58,7 +59,8 @@ class GatewayConfig:
     redis_url: the Redis session store (``redis://host:port/db``); None keeps sessions in memory.
     max_sessions: the memory store's bound (least recently used evicted first).
     session_ttl_s: a session idle this long expires (memory and Redis alike).
-    retain_ttl_s: how long a worker keeps a session's tail KV after a turn, while a tool runs.
+    retain_ttl_s: after a turn that ended in tool calls, how long its worker keeps the resume
+        point until a pause has been learned (``gateway.routing.retention``); 0 turns it off.
     heartbeat_s, dead_after_s: a worker silent for ``dead_after_s`` (heartbeats every
         ``heartbeat_s``) is marked dead; its requests fail over or end with an error.
     first_token_timeout_s, idle_timeout_s: a request aborts (504) when its first token, or its
@@ -67,6 +69,8 @@ class GatewayConfig:
     index_max_pages: the bound of the router's KV index (page entries over all workers).
     admission: queue requests per worker by uncached length and cache hits, and pass the
         priority to the engine (``--no-admission`` turns it off).
+    admission_config: its buckets, shares, tenant weights and queue bounds
+        (``gateway.routing.admission.AdmissionConfig``; ``--admission-*``, ``--tenant-weight``).
     """
 
     model_dir: Path
@@ -89,6 +93,7 @@ class GatewayConfig:
     router: str = DEFAULT_ROUTER
     index_max_pages: int = DEFAULT_MAX_PAGES
     admission: bool = True
+    admission_config: AdmissionConfig = AdmissionConfig()
 
     def __post_init__(self) -> None:
         assert self.workers, "GatewayConfig needs at least one worker endpoint"

@@ -176,6 +176,8 @@ def serve_kwargs(args: argparse.Namespace, env: Mapping[str, str] | None = None
             "router": args.router,
             "index_max_pages": args.index_max_pages,
             "admission": args.admission,
+            "admission_config": _admission_config(args),
+            "retain_ttl_s": args.retain_ttl,
         },
     }
 
@@ -277,6 +279,22 @@ def _add_routing_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--no-admission", dest="admission", action="store_false",
                        help="send requests as soon as they are routed (no length buckets, no "
                             "cache-first priority, no admission queue; default: admission on)")
+    group.add_argument("--admission-buckets", type=_int_list, default=(2048, 16384, 65536),
+                       metavar="T1,T2,..", help="upper bounds of the uncached-prompt-length "
+                                                "buckets, in tokens (one more bucket: longer)")
+    group.add_argument("--admission-shares", type=_float_list, default=(0.3, 0.3, 0.2, 0.2),
+                       metavar="S1,S2,..", help="each bucket's reserved share of a worker's "
+                                                "prefill capacity (one per bucket, sum <= 1)")
+    group.add_argument("--admission-max-queued", type=_positive_int, default=4096, metavar="N",
+                       help="requests waiting for admission, all tenants; past it: 429")
+    group.add_argument("--admission-max-queued-per-tenant", type=_positive_int, default=1024,
+                       metavar="N", help="requests waiting for admission, per tenant")
+    group.add_argument("--tenant-weight", action="append", default=[], type=_tenant_weight,
+                       metavar="TENANT=W", help="weighted fair share of a tenant (its id, "
+                                                "t-...; repeatable; others weigh 1)")
+    group.add_argument("--retain-ttl", type=_non_negative, default=60.0, metavar="S",
+                       help="after a turn that ended in tool calls, keep its KV this long "
+                            "until the tool pauses are learned; 0: no tool-pause retention")
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -287,6 +305,44 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default in (None, [], False) or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
+
+
+def _admission_config(args: argparse.Namespace) -> Any:
+    from gateway.routing.admission import AdmissionConfig
+
+    try:
+        return AdmissionConfig(
+            bucket_bounds_tokens=args.admission_buckets, bucket_shares=args.admission_shares,
+            max_queued=args.admission_max_queued,
+            max_queued_per_tenant=args.admission_max_queued_per_tenant,
+            tenant_weights=tuple(args.tenant_weight))
+    except AssertionError as exc:
+        raise CliError(f"--admission-buckets/--admission-shares: {exc}") from None
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated integers") from None
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated numbers") from None
+
+
+def _tenant_weight(text: str) -> tuple[str, float]:
+    tenant, sep, weight = text.rpartition("=")
+    try:
+        value = float(weight)
+    except ValueError:
+        value = -1.0
+    if not sep or not tenant or not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: TENANT=WEIGHT with a weight > 0")
+    return tenant, value
 
 
 def _positive(text: str) -> float:

@@ -103,7 +103,7 @@ def _admission_gate(cfg: Any) -> Any:
     from gateway.admission_gate import AdmissionGate
     from gateway.routing.admission import Admission
 
-    return AdmissionGate(Admission())
+    return AdmissionGate(Admission(cfg.admission_config))
 
 
 async def _await_welcomes(clients: list[WorkerClient], timeout_s: float) -> None:
