@@ -295,7 +295,7 @@ class Replay:
                     self.outputs[seq.request_id] = seq.output_ids
                 ok = seq.finish_reason != "error"
                 self._end(seq.request_id, now, OK if ok else ERROR, worker)
-        if worker.has_work:
+        if worker.has_work and not worker.busy:  # NOTE: a ticket admitted above may have started it
             self._start(worker, now)
 
     def _first_token(self, seq: Any, rec: RequestRecord, now: float) -> None:

@@ -116,6 +116,7 @@ class SimWorker:
     def start_step(self, now_s: float) -> float | None:
         """Run one engine step starting at ``now_s``; returns when it completes (None: nothing
         ran, the worker is idle)."""
+        assert not self.busy, f"{self.worker_id}: a step is already in flight"
         self.now_s = now_s
         runner = self.engine.runner
         before = runner.clock_s  # type: ignore[attr-defined]

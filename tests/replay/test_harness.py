@@ -194,3 +194,22 @@ def test_block_tokens_and_continued_prompts_hash_like_the_whole_prompt() -> None
     from engine.hashing import page_hashes
 
     assert child.hashes == page_hashes(child.ids, 512)
+
+
+def test_admission_queue_releases_onto_a_worker_mid_step_without_a_second_step() -> None:
+    """A burst queues in admission; tickets released while a worker's step completes must not
+    start a second step on it (the released request joins the next one)."""
+    pytest.importorskip("gateway.routing.admission")
+    burst = [TraceRequest(request_id=f"b{i}", session_id=None, tenant="t", arrival_s=0.0,
+                          parent=None, think_s=0.0, prefix_from_parent=False,
+                          hash_ids=tuple(range(100 * i, 100 * i + 16)),
+                          input_length=16 * BLOCK, output_length=4) for i in range(40)]
+    cfg = ReplayConfig(**{**_fields(CFG), "num_workers": 2, "kv_budget_tokens": 400_000,
+                          "admission": True})
+    sim = Replay(burst, "least-loaded", cfg, None)
+    sim.run()
+    assert sim.admission.num_queued == 0
+    result_records = list(sim.records.values())
+    assert all(r.status == OK for r in result_records)
+    queued = [r for r in result_records if r.dispatch_s is not None and r.dispatch_s > 0]
+    assert queued, "the burst never queued in admission: the test does not test anything"
