@@ -139,10 +139,10 @@ class PrefixHasher:
         ident = (key, cache_salt or "")
         entry = self._entries.get(ident)
         if entry is not None and entry.hashes and self._extends(entry, token_ids):
-            self._entries.move_to_end(ident)
             self.num_incremental += 1
             new = _hash_tail(token_ids[entry.num_tokens :], self.page_size, entry.hashes[-1])
             if not new:
+                self._entries.move_to_end(ident)
                 return entry.hashes  # NOTE: the fingerprint stands as it is
             hashes = entry.hashes + new
         else:
@@ -174,12 +174,14 @@ class PrefixHasher:
         tokens = list(map(int, token_ids[:n])) if self.verify == "full" else None
         if extended is None or extended.num_tokens == 0:
             first, positions = list(map(int, token_ids[:p])), self._positions(0, n - p)
+            values = list(map(int, map(token_ids.__getitem__, positions)))
         else:
             first = extended.first_page
-            positions = extended.positions + self._positions(extended.num_tokens - p, n - p)
+            new = self._positions(extended.num_tokens - p, n - p)
+            positions = extended.positions + new
+            values = extended.values + list(map(int, map(token_ids.__getitem__, new)))
             if len(positions) > 2 * self.num_samples:
-                positions = positions[::2]
-        values = list(map(int, map(token_ids.__getitem__, positions)))
+                positions, values = positions[::2], values[::2]
         self._entries[ident] = _Entry(n, hashes, first, list(map(int, token_ids[n - p : n])),
                                       positions, values, tokens)
         self._entries.move_to_end(ident)
@@ -222,12 +224,13 @@ def _hash_tail(token_ids: Sequence[int], page_size: int, prev: int) -> array:
         return array("q", page_hashes(ids, page_size, prev=prev))
     stride = 4 * page_size
     chain = (prev & _U64_MASK).to_bytes(8, "little")
-    chains = []
+    chains: list[bytes] = []
+    append, digest = chains.append, xxh3_64_intdigest
     # NOTE: each hash stays in its little-endian u64 bytes (the next page's prefix); the array
     # reads them back as int64, which is the signed form, with no Python int work per page
     for start in range(0, len(data), stride):
-        chain = xxh3_64_intdigest(chain + data[start : start + stride]).to_bytes(8, "little")
-        chains.append(chain)
+        chain = digest(chain + data[start : start + stride]).to_bytes(8, "little")
+        append(chain)
     out = array("q")
     out.frombytes(b"".join(chains))
     return out

@@ -64,8 +64,17 @@ def predict_ttft_s(
         queued_qk_pairs: their ``prefill_qk_pairs``.
         num_decoding: requests past their first token.
     """
-    per_step = max(1, max_batched_tokens - num_decoding)
-    tokens = queued_tokens + max(1, uncached_tokens)
+    return ttft_s(cost, max_batched_tokens, uncached_tokens, qk_pairs, queued_tokens,
+                  queued_qk_pairs, num_decoding)
+
+
+def ttft_s(cost: CostModel, max_batched_tokens: int, uncached_tokens: int, qk_pairs: int,
+           queued_tokens: int, queued_qk_pairs: int, num_decoding: int) -> float:
+    """``predict_ttft_s`` with positional arguments (the router's per-worker hot path)."""
+    per_step = max_batched_tokens - num_decoding
+    if per_step < 1:
+        per_step = 1
+    tokens = queued_tokens + (uncached_tokens if uncached_tokens > 1 else 1)
     steps = -(-tokens // per_step)
     # NOTE: a step whose prefill is one token is priced as a decode (the sim tells prefill from
     # decode by query length); the last step is that one when one token is left over

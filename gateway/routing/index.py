@@ -252,24 +252,18 @@ class KVIndex:
         w = self._workers.get(worker_id)
         if w is None:
             return
-        added, num_new = [], 0
-        pred, pages = w.pred, w.pages
-        for h in page_hashes[from_page:]:
-            if h in pages:
-                continue
-            # NOTE: a renewed entry is listed again: the older queue item leaves it alone
-            old = pred.get(h)
-            if old is None:
-                num_new += 1
-                pred[h] = until_s
-            elif old < until_s:
-                pred[h] = until_s
-            added.append(h)
+        pages, pred = w.pages, w.pred
+        added = [h for h in page_hashes[from_page:] if h not in pages]
+        # NOTE: the latest prediction of a page wins (with one TTL and a forward clock, that is
+        # the longest-lived); a renewed page is listed again, the older queue item skips it
+        before = len(pred)
+        pred.update(dict.fromkeys(added, until_s))
+        num_new = len(pred) - before
         ends = []
         for d in checkpoint_pages:
             if 1 <= d <= len(page_hashes):
                 h = page_hashes[d - 1]
-                w.pred_ckpts[h] = (d, max(until_s, w.pred_ckpts.get(h, (d, until_s))[1]))
+                w.pred_ckpts[h] = (d, until_s)
                 ends.append(h)
         self._num_pred += num_new
         self._pred_queue.append((until_s, worker_id, w, added, ends))
@@ -531,9 +525,14 @@ def _full_pages(
         return 0
     if has(page_hashes[n - 1]):
         return n
-    if 0 < hint < n and has(page_hashes[hint - 1]) and not has(page_hashes[hint]):
-        return hint
     lo, hi = 0, n - 1  # NOTE: page lo cached, page hi not
+    if 0 < hint < n - 1:
+        if not has(page_hashes[hint - 1]):
+            hi = hint - 1
+        elif not has(page_hashes[hint]):
+            return hint
+        else:
+            lo = hint
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if has(page_hashes[mid]):

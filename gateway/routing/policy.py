@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 from engine.cost import CostModel
 from engine.protocol import LoadReport
-from gateway.routing.cost import predict_ttft_s, prefill_qk_pairs, prefill_work_s
+from gateway.routing.cost import prefill_qk_pairs, prefill_work_s, ttft_s
 from gateway.routing.index import KVIndex, MatchResult
 from gateway.routing.types import Decision, LoadTracker, RouteRequest, WorkerInfo
 
@@ -72,6 +72,10 @@ class _Estimate:
     qk_pairs: int
 
 
+# (worker, its match, window-safe cached tokens, predicted TTFT s, qk pairs of the prefill)
+_Pick = tuple[str, MatchResult | None, int, float, int]
+
+
 @dataclass(slots=True)
 class _Sent:
     worker_id: str
@@ -83,6 +87,7 @@ class _Sent:
 # NOTE: a worker's load as route() reads it, one list per worker: LoadTracker's counts (kept in
 # step with it: the property test checks) plus the (query, key) pairs of the prefills ahead
 PREFILL, QK, DECODING, IN_FLIGHT = range(4)
+_IDLE = (0, 0, 0, 0)
 
 
 class AgentgateRouter:
@@ -124,6 +129,7 @@ class AgentgateRouter:
         self._lock = lock if lock is not None else contextlib.nullcontext()
         self._workers: dict[str, WorkerInfo] = {}
         self._consts: dict[str, _Consts] = {}
+        self._interned: dict[_Consts, _Consts] = {}
         self._order: dict[str, int] = {}  # worker -> position in the round-robin ring
         self._next_position = 0
         self._rr = 0
@@ -137,7 +143,10 @@ class AgentgateRouter:
 
     def add_worker(self, info: WorkerInfo) -> None:
         self._workers[info.worker_id] = info
-        self._consts[info.worker_id] = _Consts(info.cost, info.max_batched_tokens)
+        # NOTE: one object per distinct (cost, batch): route() shares figures between workers
+        # by the object's id
+        c = _Consts(info.cost, info.max_batched_tokens)
+        self._consts[info.worker_id] = self._interned.setdefault(c, c)
         if info.worker_id not in self._order:
             self._order[info.worker_id] = self._next_position
             self._next_position += 1
@@ -176,30 +185,18 @@ class AgentgateRouter:
             self._now_s = max(self._now_s, now_s)
         with self._lock:
             matches = self.index.match(req.page_hashes, self._now_s) if req.page_hashes else {}
-        memo: dict[tuple[int, int], tuple[int, int, float]] = {}
         sticky = self._sticky_worker(req)
-        best = mine = None
-        best_key = None
-        credited = False  # NOTE: did any candidate have window-safe credit?
-        ring, rr, wl = max(1, self._next_position), self._rr, self._wl
-        for w in candidates:
-            e = self._estimate(req, w, matches.get(w), memo)
-            # NOTE: ties: fewest in flight, then round robin from the last pick
-            key = (e.score, wl[w][IN_FLIGHT] if w in wl else 0,
-                   (self._order.get(w, ring) - rr) % ring)
-            if best_key is None or key < best_key:
-                best, best_key = e, key
-            if w == sticky:
-                mine = e
-            credited = credited or e.cached_tokens > 0
-        assert best is not None
+        best, mine, credited = self._pick(req, candidates, matches, sticky)
         chosen = best
-        reason = "prefix" if best.cached_tokens else ("load" if credited else "cold")
+        reason = "prefix" if best[2] else ("load" if credited else "cold")
         if mine is not None:
-            if self._keeps(mine, best):
+            if self._keeps(mine[3], best[3]):
                 chosen, reason = mine, "affinity"
             else:
                 reason = "moved_for_load"
+        w, m, cached, ttft, qk = chosen
+        full = 0 if m is None else m.full_pages * self.page_size
+        chosen = _Estimate(w, max(0, cached), full, ttft, 0.0, qk)
         self._rr = self._order.get(chosen.worker_id, self._rr) + 1
         self._remember_route(req.request_id, chosen)
         return Decision(chosen.worker_id, chosen.cached_tokens, reason, chosen.ttft_s)
@@ -256,35 +253,56 @@ class AgentgateRouter:
 
     # ---------------------------------------------------------------- internals
 
-    def _estimate(
-        self, req: RouteRequest, worker_id: str, m: MatchResult | None,
-        memo: dict[tuple[int, int], tuple[int, int, float]] | None = None,
-    ) -> _Estimate:
-        """Predicted TTFT and score of ``req`` on ``worker_id`` (``memo``: the request's own
-        prefill figures, shared by workers with the same credit and cost model)."""
+    def _pick(
+        self, req: RouteRequest, candidates: Sequence[str], matches: dict[str, MatchResult],
+        sticky: str | None,
+    ) -> tuple[_Pick, _Pick | None, bool]:
+        """The lowest-scoring candidate, the sticky one's figures (None if not a candidate),
+        and whether any candidate had window-safe credit."""
+        best = mine = None
+        best_key = None
+        credited = False
+        # NOTE: the per-candidate work is inlined (no call, no object per worker): it runs for
+        # every worker on every request (loadtest/bench_router.py)
+        memo: dict[tuple[int, int], tuple[int, int, float]] = {}
+        consts, wls, order, ww = self._consts, self._wl, self._order, self.work_weight
+        ring, rr, p = max(1, self._next_position), self._rr, self.page_size
+        last = req.num_tokens - 1
+        for w in candidates:
+            m = matches.get(w)
+            c = consts.get(w, _DEFAULT_CONSTS)
+            # NOTE: the last prompt token is always computed, whatever the hashes claim
+            cached = 0 if m is None else min(m.usable_pages * p, last)
+            own = memo.get((cached, id(c)))
+            if own is None:
+                own = memo[(cached, id(c))] = _own_prefill(c, cached, req.num_tokens)
+            wl = wls.get(w, _IDLE)
+            ttft = ttft_s(c.cost, c.batch, own[0], own[1], wl[PREFILL], wl[QK], wl[DECODING])
+            # NOTE: ties: fewest in flight, then round robin from the last pick
+            key = (ttft + ww * own[2], wl[IN_FLIGHT], (order.get(w, ring) - rr) % ring)
+            if best_key is None or key < best_key:
+                best, best_key = (w, m, cached, ttft, own[1]), key
+            if w == sticky:
+                mine = (w, m, cached, ttft, own[1])
+            credited = credited or cached > 0
+        assert best is not None
+        return best, mine, credited
+
+    def _estimate(self, req: RouteRequest, worker_id: str, m: MatchResult | None) -> _Estimate:
+        """``route``'s figures for one worker (for a request sent somewhere ``route`` did not
+        pick)."""
         c = self._consts.get(worker_id, _DEFAULT_CONSTS)
-        # NOTE: the last prompt token is always computed, whatever the hashes claim
         cached = 0 if m is None else min(m.usable_pages * self.page_size, req.num_tokens - 1)
-        # NOTE: keyed by the worker's constants object (hashing a CostModel costs more)
-        own = None if memo is None else memo.get((cached, id(c)))
-        if own is None:
-            uncached = max(1, req.num_tokens - cached)
-            qk = prefill_qk_pairs(cached, uncached, c.batch)
-            own = (uncached, qk, prefill_work_s(c.cost, uncached, qk))
-            if memo is not None:
-                memo[(cached, id(c))] = own
-        uncached, qk, work_s = own
-        wl = self._wl.get(worker_id) or [0, 0, 0, 0]
-        ttft = predict_ttft_s(c.cost, c.batch, uncached_tokens=uncached, qk_pairs=qk,
-                              queued_tokens=wl[PREFILL], queued_qk_pairs=wl[QK],
-                              num_decoding=wl[DECODING])
+        uncached, qk, work_s = _own_prefill(c, cached, req.num_tokens)
+        wl = self._wl.get(worker_id, _IDLE)
+        ttft = ttft_s(c.cost, c.batch, uncached, qk, wl[PREFILL], wl[QK], wl[DECODING])
         full = 0 if m is None else m.full_pages * self.page_size
         return _Estimate(worker_id, max(0, cached), full, ttft, ttft + self.work_weight * work_s,
                          qk)
 
-    def _keeps(self, mine: _Estimate, best: _Estimate) -> bool:
-        return (mine.ttft_s <= best.ttft_s + self.margin_s
-                or mine.ttft_s <= best.ttft_s * self.margin_ratio)
+    def _keeps(self, mine_s: float, best_s: float) -> bool:
+        """Whether the sticky worker's TTFT is within either margin of the best one's."""
+        return mine_s <= best_s + self.margin_s or mine_s <= best_s * self.margin_ratio
 
     def _sticky_worker(self, req: RouteRequest) -> str | None:
         if req.sticky_worker is not None:
@@ -324,6 +342,13 @@ class AgentgateRouter:
             confirmed = self.index.confirmed_pages(worker_id, req.page_hashes, hint=raw)
             self.index.predict(worker_id, req.page_hashes, now_s + self.optimistic_ttl_s,
                                from_page=confirmed, checkpoint_pages=ends)
+
+
+def _own_prefill(c: _Consts, cached_tokens: int, num_tokens: int) -> tuple[int, int, float]:
+    """(uncached tokens, their qk pairs, their prefill work in seconds) on a worker like ``c``."""
+    uncached = max(1, num_tokens - cached_tokens)
+    qk = prefill_qk_pairs(cached_tokens, uncached, c.batch)
+    return uncached, qk, prefill_work_s(c.cost, uncached, qk)
 
 
 def _window_pages(info: WorkerInfo) -> int | None:
