@@ -54,7 +54,8 @@ def main() -> None:
     a = c.agreement
     print(f"{args.workload} {len(c.requests)} requests, {args.workers} workers, "
           f"router {args.router}: hit rate diff {a.hit_rate_points:.2f} points (<= 2), "
-          f"TTFT p50 diff {a.ttft_p50_rel:.1%} (<= 15 %), agrees={a.ok()}, "
+          f"TTFT p50 diff {a.ttft_p50_rel:.1%} (<= 15 %; idle round trip "
+          f"{a.round_trip_s * 1e3:.0f} ms), agrees={a.ok()}, "
           f"live {c.live.wall_s:.0f} s, total {wall_s:.0f} s")
 
 

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import msgspec
 
+from engine.cost import COST_PRESETS
 from replay.harness import ReplayConfig, ReplayResult
 from replay.harness import replay as harness_replay
 from replay.metrics import ERROR, OK, RequestRecord, Summary, summarize
@@ -61,6 +62,7 @@ OUTPUT_TEXT = "a"  # NOTE: one token in the demo tokenizer; see the module docst
 # a logits row per token, and only the pattern of shared blocks matters to caching
 LIVE_VOCAB_SIZE = 320
 WARM_UP_TOKENS = 8
+ROUND_TRIP_PROBES = 3
 READY_TIMEOUT_S = 120.0
 MAX_HIT_RATE_POINTS = 2.0  # the agreement bounds
 MAX_TTFT_P50_REL = 0.15
@@ -74,6 +76,9 @@ class LiveResult:
     records: list[RequestRecord]
     summary: Summary
     wall_s: float
+    # TTFT of a tiny request on the idle system minus its step time: what HTTP, the gateway
+    # and ZeroMQ add to every live TTFT (the in-process replay has no such term)
+    round_trip_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +89,7 @@ class Agreement:
     sim_hit_rate: float
     live_ttft_p50_s: float
     sim_ttft_p50_s: float
+    round_trip_s: float = 0.0
 
     @property
     def hit_rate_points(self) -> float:
@@ -101,11 +107,13 @@ class Agreement:
         return (f"hit rate live {self.live_hit_rate:.1%} vs in-process {self.sim_hit_rate:.1%} "
                 f"({self.hit_rate_points:.2f} points); TTFT p50 live "
                 f"{self.live_ttft_p50_s * 1e3:.0f} ms vs in-process "
-                f"{self.sim_ttft_p50_s * 1e3:.0f} ms ({self.ttft_p50_rel:.1%})")
+                f"{self.sim_ttft_p50_s * 1e3:.0f} ms ({self.ttft_p50_rel:.1%}; idle round trip "
+                f"{self.round_trip_s * 1e3:.0f} ms)")
 
 
-def agreement(live: Summary, sim: Summary) -> Agreement:
-    return Agreement(live.hit_rate, sim.hit_rate, live.ttft_p50_s, sim.ttft_p50_s)
+def agreement(live: Summary, sim: Summary, round_trip_s: float = 0.0) -> Agreement:
+    return Agreement(live.hit_rate, sim.hit_rate, live.ttft_p50_s, sim.ttft_p50_s,
+                     round_trip_s)
 
 
 @dataclass(slots=True)
@@ -123,6 +131,7 @@ class LiveComparison:
                 "policy": self.sim.policy, "live": self.live.summary.to_dict(),
                 "in_process": self.sim.summary.to_dict(), "live_wall_s": self.live.wall_s,
                 "hit_rate_points": a.hit_rate_points, "ttft_p50_rel": a.ttft_p50_rel,
+                "round_trip_s": a.round_trip_s,
                 "agrees": a.ok()}
 
 
@@ -138,7 +147,8 @@ def compare_live(requests: Sequence[TraceRequest], cfg: ReplayConfig, limit: int
     cfg = replace(cfg, retention=False)
     sim = harness_replay(part, router or "least-loaded", cfg)
     live = replay_live(part, cfg, router, progress)
-    return LiveComparison(part, live, sim, agreement(live.summary, sim.summary))
+    return LiveComparison(part, live, sim,
+                          agreement(live.summary, sim.summary, live.round_trip_s))
 
 
 def live_slice(requests: Sequence[TraceRequest], limit: int,
@@ -212,7 +222,8 @@ def replay_live(requests: Sequence[TraceRequest], cfg: ReplayConfig, router: str
             records = asyncio.run(asyncio.wait_for(driver.run(), timeout_s))
             wall_s = time.perf_counter() - t0
     ids = [f"w{i}" for i in range(cfg.num_workers)]
-    return LiveResult(router, records, summarize(router or "default", records, ids, 0), wall_s)
+    return LiveResult(router, records, summarize(router or "default", records, ids, 0), wall_s,
+                      driver.round_trip_s)
 
 
 def output_token_id(model_dir: Path) -> int:
@@ -245,6 +256,7 @@ class _Driver:
         self.outputs: dict[str, int] = {}
         self.records: dict[str, RequestRecord] = {}
         self.token_id = token_id
+        self.round_trip_s = 0.0
         self.tasks: set[asyncio.Task] = set()
         self.done = 0
 
@@ -275,6 +287,13 @@ class _Driver:
         bodies = [self._body(r, self.builder.fresh(r.hash_ids, n)) for r in reqs]
         await asyncio.gather(*(self._stream(r, b, rec)
                                for r, b, rec in zip(reqs, bodies, records)))
+        ttfts = []
+        for r, body in zip(reqs[:ROUND_TRIP_PROBES], bodies):  # NOTE: one at a time: idle
+            rec = RequestRecord(r.request_id, self._now(), n)
+            await self._stream(r, body, rec)
+            ttfts.append(rec.first_token_s - rec.arrival_s)  # type: ignore[operator]
+        step_s = COST_PRESETS[self.cfg.cost].step_time(n, 0, n * n)
+        self.round_trip_s = max(0.0, sorted(ttfts)[len(ttfts) // 2] - step_s)
 
     def _later(self, req: TraceRequest, at_s: float) -> None:
         task = asyncio.create_task(self._send_at(req, at_s))

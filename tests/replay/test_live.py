@@ -113,6 +113,8 @@ def test_live_agrees_with_in_process(no_leftover_processes: None) -> None:
     assert len(mismatched) <= 1, mismatched
     assert 0.7 * sim.ttft_p50_s <= live.ttft_p50_s <= 3 * sim.ttft_p50_s + 0.3, (
         result.agreement.line())
+    doc = result.to_dict()
+    assert doc["requests"] == len(result.requests) and doc["round_trip_s"] >= 0.0
 
 
 def test_live_outputs_extend_the_next_prompt(no_leftover_processes: None) -> None:
