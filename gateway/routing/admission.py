@@ -54,12 +54,11 @@ before any measurement, the workers' modelled capacity per ``prefill_window_s``)
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.cost import CostModel
+from gateway.routing.admission_queue import BucketQueue, Entry
 
 PRIORITY_PER_BUCKET = 1000
 MAX_IDLE_TENANTS = 1024  # NOTE: virtual times kept before idle tenants are forgotten
@@ -172,76 +171,11 @@ class Ticket:
 
 
 @dataclass(slots=True)
-class _Entry:
-    ticket: Ticket
-    key: float  # NOTE: arrival_s - credit_s: smaller goes first
-    seq: int  # NOTE: tie break: first offered first
-    tokens: int
-    admitted: bool = False
-    dropped: bool = False  # NOTE: cancelled while queued; its heap slot is removed lazily
-
-
-class _BucketQueue:
-    """One (worker, bucket) queue: a heap per tenant, by ``(key, seq)``. Cancelled entries
-    leave their heap lazily (at its top, or when dropped ones outnumber the live ones)."""
-
-    __slots__ = ("_heaps", "_live", "num_live")
-
-    def __init__(self) -> None:
-        self._heaps: dict[str, list[tuple[float, int, _Entry]]] = {}
-        self._live: dict[str, int] = {}
-        self.num_live = 0
-
-    def __bool__(self) -> bool:
-        return self.num_live > 0
-
-    def push(self, e: _Entry) -> None:
-        tenant = e.ticket.tenant
-        heapq.heappush(self._heaps.setdefault(tenant, []), (e.key, e.seq, e))
-        self._live[tenant] = self._live.get(tenant, 0) + 1
-        self.num_live += 1
-
-    def head(self, vtime_of: Callable[[str], float]) -> _Entry:
-        """The tenant with the smallest virtual time (ties: the smaller key), its top entry."""
-        tenant = min(self._heaps, key=lambda t: (vtime_of(t), self._heaps[t][0][:2]))
-        return self._heaps[tenant][0][2]
-
-    def pop(self, e: _Entry) -> None:
-        """Remove ``e``, the top of its tenant's heap."""
-        heap = self._heaps[e.ticket.tenant]
-        assert heap[0][2] is e
-        heapq.heappop(heap)
-        self._forget_one(e.ticket.tenant)
-
-    def drop(self, e: _Entry) -> None:
-        e.dropped = True
-        tenant = e.ticket.tenant
-        heap = self._heaps[tenant]
-        if len(heap) > 2 * self._live[tenant] + 16:
-            heap[:] = [item for item in heap if not item[2].dropped]
-            heapq.heapify(heap)
-        self._forget_one(tenant)
-
-    def entries(self) -> list[_Entry]:
-        return [item[2] for heap in self._heaps.values() for item in heap if not item[2].dropped]
-
-    def _forget_one(self, tenant: str) -> None:
-        self.num_live -= 1
-        self._live[tenant] -= 1
-        if self._live[tenant] == 0:
-            del self._live[tenant], self._heaps[tenant]
-            return
-        heap = self._heaps[tenant]
-        while heap[0][2].dropped:
-            heapq.heappop(heap)
-
-
-@dataclass(slots=True)
 class _Worker:
     capacity_tokens: float
     used: list[int]  # NOTE: per bucket: uncached tokens admitted, before their first token
     in_flight: list[int]  # NOTE: per bucket: tickets admitted, before their first token
-    queues: list[_BucketQueue] = field(default_factory=list)  # NOTE: per bucket
+    queues: list[BucketQueue] = field(default_factory=list)  # NOTE: per bucket
 
 
 class Admission:
@@ -250,7 +184,7 @@ class Admission:
     def __init__(self, config: AdmissionConfig | None = None) -> None:
         self.config = config or AdmissionConfig()
         self._workers: dict[str, _Worker] = {}
-        self._entries: dict[str, _Entry] = {}  # NOTE: queued or admitted (before first token)
+        self._entries: dict[str, Entry] = {}  # NOTE: queued or admitted (before first token)
         self._queued_of: dict[str, int] = {}  # NOTE: tenant -> queued tickets
         self._queued_tokens_of: dict[str, int] = {}
         self._num_queued = 0
@@ -309,7 +243,7 @@ class Admission:
         ticket.bucket = cfg.bucket_of(tokens)
         ticket.priority = priority_of(ticket.bucket, ticket.cached_fraction, cfg.num_buckets)
         w = self._worker(ticket.worker_id)
-        entry = _Entry(ticket, ticket.arrival_s - self._credit_s(ticket, tokens), self._seq, tokens)
+        entry = Entry(ticket, ticket.arrival_s - self._credit_s(ticket, tokens), self._seq, tokens)
         self._seq += 1
         q = w.queues[ticket.bucket]
         # NOTE: into a waiting queue it goes only when it becomes the head (a better key than
@@ -400,7 +334,7 @@ class Admission:
 
     def _new_worker(self, capacity: float) -> _Worker:
         n = self.config.num_buckets
-        return _Worker(capacity, [0] * n, [0] * n, [_BucketQueue() for _ in range(n)])
+        return _Worker(capacity, [0] * n, [0] * n, [BucketQueue() for _ in range(n)])
 
     def _worker(self, worker_id: str) -> _Worker:
         # NOTE: a worker nobody announced (no Welcome yet) has no known cost: no limit
@@ -434,7 +368,7 @@ class Admission:
             held += max(used_k, reserve[k] * cap) if protected else used_k
         return used + tokens <= cap - held  # NOTE: borrow idle capacity
 
-    def _admit(self, w: _Worker, e: _Entry, now_s: float) -> None:
+    def _admit(self, w: _Worker, e: Entry, now_s: float) -> None:
         t = e.ticket
         e.admitted = True
         self._entries[t.request_id] = e
@@ -455,7 +389,7 @@ class Admission:
             if tenant not in self._queued_of:
                 del self._vtime[tenant]
 
-    def _count_queued(self, e: _Entry) -> None:
+    def _count_queued(self, e: Entry) -> None:
         t = e.ticket
         self._entries[t.request_id] = e
         self._num_queued += 1
@@ -463,7 +397,7 @@ class Admission:
         self._queued_of[t.tenant] = self._queued_of.get(t.tenant, 0) + 1
         self._queued_tokens_of[t.tenant] = self._queued_tokens_of.get(t.tenant, 0) + e.tokens
 
-    def _unqueue_counts(self, e: _Entry) -> None:
+    def _unqueue_counts(self, e: Entry) -> None:
         tenant = e.ticket.tenant
         self._entries.pop(e.ticket.request_id, None)
         self._num_queued -= 1
