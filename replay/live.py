@@ -136,16 +136,16 @@ class LiveComparison:
 
 
 def compare_live(requests: Sequence[TraceRequest], cfg: ReplayConfig, limit: int,
-                 router: str | None = "agentgate", max_think_s: float | None = 1.0,
+                 router: str = "agentgate", max_think_s: float | None = 1.0,
                  max_output_tokens: int | None = None,
                  progress: Callable[[int, int], None] | None = None) -> LiveComparison:
-    """``live_slice`` of ``requests``, replayed live (``replay_live``) and in process
-    (``replay.harness.replay`` with the same policy, or least-loaded for the gateway's default
-    when ``router`` is None), with retention off: the OpenAI completions path retains nothing.
+    """``live_slice`` of ``requests``, replayed live (``replay_live`` with ``--router router``)
+    and in process (``replay.harness.replay`` with the same policy), with retention off in
+    both: the OpenAI completions path retains nothing.
     """
     part = live_slice(requests, limit, max_think_s, max_output_tokens)
     cfg = replace(cfg, retention=False)
-    sim = harness_replay(part, router or "least-loaded", cfg)
+    sim = harness_replay(part, router, cfg)
     live = replay_live(part, cfg, router, progress)
     return LiveComparison(part, live, sim,
                           agreement(live.summary, sim.summary, live.round_trip_s))
