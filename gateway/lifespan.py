@@ -83,6 +83,8 @@ async def dispatcher_lifespan(app: Litestar) -> AsyncIterator[None]:
         clients, router=cfg.router, index_max_pages=cfg.index_max_pages,
         admission=_admission_gate(cfg),
     )
+    # NOTE: tool-pause retention (gateway.tool_pauses), its TTL default from --retain-ttl
+    dispatcher.retention = _retention(cfg, dispatcher)  # type: ignore[attr-defined]
     for client in clients:
         client.start()
     await _await_welcomes(clients, STARTUP_GRACE_S)
@@ -104,6 +106,13 @@ def _admission_gate(cfg: Any) -> Any:
     from gateway.routing.admission import Admission
 
     return AdmissionGate(Admission(cfg.admission_config))
+
+
+def _retention(cfg: Any, dispatcher: Dispatcher) -> Any:
+    from gateway.routing.retention import PauseLearner, ToolPauseRetention
+
+    learner = PauseLearner(default_ttl_s=cfg.retain_ttl_s)
+    return ToolPauseRetention(learner, send_retain=dispatcher.retain)
 
 
 async def _await_welcomes(clients: list[WorkerClient], timeout_s: float) -> None:

@@ -34,8 +34,8 @@ TOOL_CALLS = "tool_calls"
 
 
 def retention_of(dispatcher: Dispatcher) -> ToolPauseRetention:
-    """The dispatcher's ``ToolPauseRetention`` (made on first use, sending through
-    ``dispatcher.retain``)."""
+    """The dispatcher's ``ToolPauseRetention`` (the app's lifespan makes it with the configured
+    default TTL; a dispatcher without one gets the defaults on first use)."""
     retention = getattr(dispatcher, "retention", None)
     if retention is None:
         retention = ToolPauseRetention(send_retain=dispatcher.retain)

@@ -190,3 +190,14 @@ def test_stateless_plain_answer_does_not_retain(client: TestClient[Litestar]) ->
     retention = _retention(client)
     _chat(client, [{"role": "user", "content": "Hello"}], tool_choice="none", max_tokens=4)
     assert retention.num_retains == 0 and retention.num_paused == 0
+
+
+def test_retain_ttl_zero_turns_it_off(retention_worker: WorkerProcess, sim_model_dir: Path) -> None:
+    with app_client(retention_worker, sim_model_dir, retain_ttl_s=0.0) as off:
+        retention = _retention(off)
+        sid = _session(off)
+        _tool_turn(off, sid)
+        resp = _chat(off, [{"role": "user", "content": "Define quokka."}],
+                     tool_choice="required", parallel_tool_calls=False)
+        assert resp.json()["choices"][0]["finish_reason"] == "tool_calls"
+        assert retention.num_retains == 0 and retention.num_paused == 0
