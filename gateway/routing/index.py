@@ -120,6 +120,8 @@ class _Worker:
     # NOTE: optimistic entries: page hash -> until_s; checkpoint end -> (depth in pages, until_s)
     pred: dict[int, float] = field(default_factory=dict)
     pred_ckpts: dict[int, tuple[int, float]] = field(default_factory=dict)
+    last_end: int = 0  # NOTE: the previous match's end (pages) and hash there: a search hint
+    last_end_hash: int = 0
 
     def clear(self) -> None:
         self.pages.clear()
@@ -457,33 +459,42 @@ class KVIndex:
             self.stats.evicted_pages += 1
 
 
+# NOTE: tuple.__new__ builds a MatchResult without the NamedTuple's Python-level __new__ (hot path)
+_result = tuple.__new__
+_NO_MATCH = MatchResult(0, 0)
+
+
 def _match_one(
     w: _Worker, page_hashes: Sequence[int], now_s: float | None, hint: int = 0
 ) -> MatchResult:
     """The engine's rule (``PrefixCache.match``) with "live SWA" = inside a live checkpoint's
     window (``w.cover``), or at a live predicted checkpoint (``w.pred_ckpts``)."""
     pred = w.pred if now_s is not None and w.pred else None
+    last = w.last_end
+    if 0 < last <= len(page_hashes) and page_hashes[last - 1] == w.last_end_hash:
+        hint = last  # NOTE: this query shares the worker's previous match end (a session turn)
     full = _full_pages(w.pages, pred, now_s, page_hashes, hint)
     if full == 0:
-        return MatchResult(0, 0)
+        return _NO_MATCH
     end = page_hashes[full - 1]
+    w.last_end, w.last_end_hash = full, end
     if end in w.pages:
         w.pages.move_to_end(end)  # NOTE: the match end counts as used
     k = w.window_pages
     if k == 0:
-        return MatchResult(full, full)
+        return _result(MatchResult, (full, full))
     window = w.ckpts.get(end)
     if k is not None and window is not None and len(window) >= min(k, full):
         # NOTE: a live checkpoint at the match end: its k pages have live SWA (the engine's
         # invariant), whatever the index's cap forgot of them
-        return MatchResult(full, full)
+        return _result(MatchResult, (full, full))
     predicted = 0
     if now_s is not None and w.pred_ckpts:
         predicted = _predicted_usable(w.pred_ckpts, page_hashes, full, now_s)
         if predicted == full:
-            return MatchResult(full, full)
+            return _result(MatchResult, (full, full))
     usable = 0 if k is None or not w.cover else _usable_pages(w.cover, k, page_hashes, full)
-    return MatchResult(full, max(usable, predicted))
+    return _result(MatchResult, (full, max(usable, predicted)))
 
 
 def _predicted_usable(
