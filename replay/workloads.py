@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from replay.agent_params import TOOLS, AgentParams, ToolSpec
+from replay.agent_params import TOOLS, AgentParams, LogNormal, ToolSpec
 
 __all__ = ["AgentParams", "TOOLS", "ToolSpec", "TraceError", "TraceRequest", "agent_workload",
            "first_by_arrival", "load_mooncake", "new_tokens", "summary"]
@@ -376,7 +376,7 @@ class _AgentBuilder:
         return tuple(range(first, first + n))
 
 
-def _lognormal_int(rng: random.Random, dist: object) -> int:
+def _lognormal_int(rng: random.Random, dist: LogNormal) -> int:
     """A draw from a ``LogNormal`` knob (median, sigma, clipped to [min_value, max_value])."""
-    value = rng.lognormvariate(math.log(dist.median), dist.sigma)  # type: ignore[attr-defined]
-    return int(min(dist.max_value, max(dist.min_value, round(value))))  # type: ignore[attr-defined]
+    value = rng.lognormvariate(math.log(dist.median), dist.sigma)
+    return int(min(dist.max_value, max(dist.min_value, round(value))))
