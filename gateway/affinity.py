@@ -41,8 +41,11 @@ class SharedAffinity:
         try:
             route.sticky_worker = await self.store.get_affinity(route.affinity_key)
         except Exception as exc:  # NOTE: StoreUnavailable, or a store's own bug
+            _reraise_cancellation()
             self.num_failures += 1
             logger.warning("affinity lookup of %s failed: %s", route.affinity_key, exc)
+        else:
+            _reraise_cancellation()
 
     def decided(self, route: RouteRequest, worker_id: str) -> None:
         """The router sent ``route`` to ``worker_id``: write it back if the store held another
@@ -69,3 +72,14 @@ class SharedAffinity:
         except Exception as exc:  # NOTE: the next request routes without it
             self.num_failures += 1
             logger.warning("affinity write of %s failed: %s", key, exc)
+
+
+def _reraise_cancellation() -> None:
+    """Raise ``CancelledError`` when the running task was cancelled while it awaited the store.
+
+    NOTE: redis-py's asyncio client can turn a cancellation inside a command into a connection
+    error (or swallow it), so a cancelled request (a client that left, a WebSocket ``cancel``)
+    would otherwise go on to the worker and run to its end."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

@@ -63,7 +63,7 @@ from gateway.dispatch_errors import (
 from gateway.metrics import RoutingStats, StreamStats
 from gateway.router_link import RouterFactory, RouterLink
 from gateway.routing.chain import DEFAULT_MAX_KEYS, PrefixHasher
-from gateway.routing.index import DEFAULT_MAX_PAGES
+from gateway.routing.index import DEFAULT_MAX_PAGES, KVIndex
 from gateway.routing.types import Decision, RouteRequest, WorkerInfo
 from gateway.worker_client import StreamItem, WorkerClient
 
@@ -415,6 +415,7 @@ class Dispatcher:
 
             name = router
             factory: RouterFactory = lambda index: make_router(name, index, **options)  # noqa: E731
+            factory(KVIndex(page_size=1))  # NOTE: a bad name or option fails here, not later
         else:
             factory, name = router, getattr(router, "name", "custom")
         return RouterLink(self.clients, factory, name, index_max_pages=max_pages,

@@ -50,8 +50,10 @@ def client(
     victim: WorkerProcess, spare: WorkerProcess, tokenizer_dir: Path
 ) -> Iterator[Gateway]:
     """A real HTTP server (TestClient buffers a streamed body whole) in a thread."""
+    # NOTE: least-loaded picks the first listed worker when both are idle; a cost-aware router
+    # (the default) would send everything to the zero-cost spare and never meet the victim
     app = create_app(GatewayConfig(model_dir=tokenizer_dir, workers=(victim.listen, spare.listen),
-                                   model_name="demo",
+                                   model_name="demo", router="least-loaded",
                                    heartbeat_s=0.1, dead_after_s=DEAD_AFTER_S))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
