@@ -100,6 +100,9 @@ class AgentgateRouter:
         optimistic_ttl_s: lifetime of optimistic entries (0 disables them).
         work_weight: weight of a choice's own prefill work in the score (0: TTFT alone).
         max_affinity_keys: affinity keys remembered (least recently used dropped).
+        history_credit: fraction (0..1) of the full-KV pages beyond the window-safe point
+            credited anyway, betting on SWA history the engine keeps while memory allows (the
+            events do not show it). 0 (the default): window-safe credit only.
         lock: held around index reads and writes (``KVEventSubscriber.lock``).
     """
 
@@ -114,6 +117,7 @@ class AgentgateRouter:
         optimistic_ttl_s: float = DEFAULT_OPTIMISTIC_TTL_S,
         work_weight: float = DEFAULT_WORK_WEIGHT,
         max_affinity_keys: int = DEFAULT_MAX_AFFINITY_KEYS,
+        history_credit: float = 0.0,
         lock: contextlib.AbstractContextManager | None = None,
     ) -> None:
         if margin_s < 0 or margin_ratio < 1 or optimistic_ttl_s < 0 or work_weight < 0:
@@ -125,6 +129,7 @@ class AgentgateRouter:
         self.margin_s, self.margin_ratio = margin_s, margin_ratio
         self.optimistic_ttl_s, self.work_weight = optimistic_ttl_s, work_weight
         self.max_affinity_keys = max_affinity_keys
+        self.history_credit = history_credit
         self.load = LoadTracker()
         self._lock = lock if lock is not None else contextlib.nullcontext()
         self._workers: dict[str, WorkerInfo] = {}
@@ -266,13 +271,14 @@ class AgentgateRouter:
         # every worker on every request (loadtest/bench_router.py)
         memo: dict[tuple[int, int], tuple[int, int, float]] = {}
         consts, wls, order, ww = self._consts, self._wl, self._order, self.work_weight
+        hc = self.history_credit
         ring, rr, p = max(1, self._next_position), self._rr, self.page_size
         last = req.num_tokens - 1
         for w in candidates:
             m = matches.get(w)
             c = consts.get(w, _DEFAULT_CONSTS)
             # NOTE: the last prompt token is always computed, whatever the hashes claim
-            cached = 0 if m is None else min(m.usable_pages * p, last)
+            cached = 0 if m is None else min(_credit_pages(m, hc) * p, last)
             own = memo.get((cached, id(c)))
             if own is None:
                 own = memo[(cached, id(c))] = _own_prefill(c, cached, req.num_tokens)
@@ -292,7 +298,8 @@ class AgentgateRouter:
         """``route``'s figures for one worker (for a request sent somewhere ``route`` did not
         pick)."""
         c = self._consts.get(worker_id, _DEFAULT_CONSTS)
-        cached = 0 if m is None else min(m.usable_pages * self.page_size, req.num_tokens - 1)
+        cached = 0 if m is None else min(_credit_pages(m, self.history_credit) * self.page_size,
+                                         req.num_tokens - 1)
         uncached, qk, work_s = _own_prefill(c, cached, req.num_tokens)
         wl = self._wl.get(worker_id, _IDLE)
         ttft = ttft_s(c.cost, c.batch, uncached, qk, wl[PREFILL], wl[QK], wl[DECODING])
@@ -342,6 +349,13 @@ class AgentgateRouter:
             confirmed = self.index.confirmed_pages(worker_id, req.page_hashes, hint=raw)
             self.index.predict(worker_id, req.page_hashes, now_s + self.optimistic_ttl_s,
                                from_page=confirmed, checkpoint_pages=ends)
+
+
+def _credit_pages(m: MatchResult, history_credit: float) -> int:
+    """Window-safe pages, plus ``history_credit`` of the full-KV pages past them."""
+    if history_credit == 0 or m.full_pages == m.usable_pages:
+        return m.usable_pages
+    return m.usable_pages + int(history_credit * (m.full_pages - m.usable_pages))
 
 
 def _own_prefill(c: _Consts, cached_tokens: int, num_tokens: int) -> tuple[int, int, float]:

@@ -208,3 +208,18 @@ def test_bad_options_are_named() -> None:
         AgentgateRouter(KVIndex(PAGE), margin_ratio=0.5)
     with pytest.raises(ValueError, match="candidates"):
         _make_router().route(_request("r", [1]), [])
+
+
+def test_history_credit_bets_on_the_raw_match_only_when_asked() -> None:
+    """w0 holds the whole chain without a live window; w1 holds a quarter of it with one.
+    Window-safe credit (the default) goes to w1; ``history_credit=1`` credits w0's raw match."""
+    chain = _chain(1000, 400)
+    routers = {hc: _make_router(history_credit=hc) for hc in (0.0, 1.0)}
+    for router in routers.values():
+        _feed(router, "w0", _stored(chain))
+        _feed(router, "w1", _stored(chain[:100]),
+              SwaCheckpointStored(block_hashes=[chain[99]], window=WINDOW))
+    safe = routers[0.0].route(_request("r", chain), WORKERS)
+    bet = routers[1.0].route(_request("r", chain), WORKERS)
+    assert (safe.worker_id, safe.cached_tokens) == ("w1", 100 * PAGE)
+    assert (bet.worker_id, bet.cached_tokens) == ("w0", 400 * PAGE)
