@@ -140,6 +140,36 @@ def test_a_killed_worker_leaves_the_index_and_the_routing() -> None:
     _run(main())
 
 
+def test_a_restarted_worker_is_followed_on_its_new_event_endpoints() -> None:
+    """The same ROUTER endpoint, a new process with new (free) events and replay ports: the
+    dispatcher subscribes to the ones its new ``Welcome`` announces, and routes to it again."""
+
+    async def main() -> None:
+        with workers(("re-b", "zero", True)) as (b,):
+            a = start_worker("re-a")
+            try:
+                async with dispatching([a, b], "dynamo") as d:
+                    client_a = d.clients[0]
+                    first_events = client_a.welcome.events_endpoint  # type: ignore[union-attr]
+                    a.stop(signal.SIGKILL)
+                    await _until(lambda: d.index_workers == 1, "re-a's subscriber stopped")
+                    a = _start_on(a.listen, "re-a")
+                    await _until(lambda: client_a.is_alive and d.index_workers == 2,
+                                 "re-a followed again")
+                    assert client_a.welcome.events_endpoint != first_events  # type: ignore[union-attr]
+                    await run(d, prompt(60), "back")
+                    hashes = route_request(d, _generate(prompt(60), "x")).page_hashes
+                    await _until(lambda: len(_match(d, hashes)) == 1, "its pages indexed")
+                    for i in range(4):  # NOTE: round robin over idle workers reaches re-a
+                        await run(d, prompt(61 + i), f"rr{i}")
+                    assert "re-a" in d.link.index.workers()  # type: ignore[union-attr]
+                    assert d.routing.workers[a.listen].requests >= 1, d.routing.workers
+            finally:
+                a.stop()
+
+    _run(main())
+
+
 def test_closing_leaves_no_subscriber_thread(pair: list[WorkerProcess]) -> None:
     async def main() -> None:
         async with dispatching(pair, "least-loaded") as d:
@@ -174,6 +204,15 @@ async def dispatching(ws: Sequence[WorkerProcess], router: Any) -> Any:
         for c in clients:
             c.close()
         await d.close()
+
+
+def _start_on(listen: str, worker_id: str) -> WorkerProcess:
+    try:
+        return spawn_worker(model_dir=None, backend="sim", worker_id=worker_id,
+                            extra_args=("--cost", "zero", "--listen", listen),
+                            timeout_s=WORKER_START_TIMEOUT_S, replay=ANY_PORT)
+    except ServeError as e:
+        pytest.fail(str(e))
 
 
 def prompt(i: int) -> list[int]:
