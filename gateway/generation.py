@@ -19,6 +19,7 @@ them, token by token, to find that token.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
@@ -62,6 +63,7 @@ WHOLE_ANSWER_INTERVAL_S = 1.0
 # NOTE: the worker keeps generating until the gateway sees the stop string and aborts; 20
 # messages a second cost little and waste at most 50 ms of decoding
 STOP_CHECK_INTERVAL_S = 0.05
+OFF_LOOP_HASH_TOKENS = 16_384  # NOTE: a keyless prompt longer than this is hashed on a thread
 
 
 class OutputOptions(NamedTuple):
@@ -206,7 +208,14 @@ async def start(
 ) -> Started:
     """Send ``generate`` (routed by ``route_request``) and wait for its first item; a
     ``DispatchError`` propagates."""
-    stream = dispatcher.generate(generate, route_request(dispatcher, generate, affinity_key))
+    if affinity_key is None and generate.session_id is None and (
+            len(generate.input_ids) > OFF_LOOP_HASH_TOKENS):
+        # NOTE: nothing to hash incrementally by: a whole long prompt (~16 ms per 100k tokens)
+        # is hashed on a thread, not on the loop every other request waits on
+        route = await asyncio.to_thread(route_request, dispatcher, generate)
+    else:
+        route = route_request(dispatcher, generate, affinity_key)
+    stream = dispatcher.generate(generate, route)
     try:
         first = await anext(stream)
     except BaseException:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from engine.protocol import Finished, Generate, SamplingSpec, TokenDelta
+from gateway import generation
 from gateway.dispatch import Dispatcher, WorkerClient
 from gateway.generation import route_request
 from gateway.kv_feed import resolve_endpoint
@@ -88,6 +89,24 @@ def test_a_follow_up_lands_on_the_worker_that_holds_its_prefix(pair: list[Worker
                 delta = follow[0]
                 assert isinstance(delta, TokenDelta) and delta.cached_tokens > 0, delta
             assert d.routing.decisions.get(("dynamo", "prefix"), 0) >= 4, d.routing.decisions
+
+    _run(main())
+
+
+def test_a_long_keyless_prompt_hashed_off_the_loop_still_finds_its_prefix(
+    pair: list[WorkerProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(generation, "OFF_LOOP_HASH_TOKENS", 100)
+
+    async def main() -> None:
+        async with dispatching(pair, "dynamo") as d:
+            first = await _started_items(d, prompt(70), "off1")
+            home = _client_of(d, first)
+            hashes = route_request(d, _generate(prompt(70), "x")).page_hashes
+            await _until(lambda: len(_match(d, hashes)) > 0, "the first request's pages")
+            follow = await _started_items(d, prompt(70) + [9] * 30, "off2")
+            assert _client_of(d, follow) is home
+            assert d.routing.decisions.get(("dynamo", "prefix"), 0) >= 1, d.routing.decisions
 
     _run(main())
 
@@ -227,6 +246,12 @@ def _generate(input_ids: list[int], rid: str, max_new_tokens: int = 2) -> Genera
 async def run(d: Dispatcher, input_ids: list[int], rid: str, max_new_tokens: int = 2) -> list[Any]:
     g = _generate(input_ids, rid, max_new_tokens)
     return [item async for item in d.generate(g, route_request(d, g))]
+
+
+async def _started_items(d: Dispatcher, input_ids: list[int], rid: str) -> list[Any]:
+    """The items of a request sent the way the HTTP handlers send it (``generation.start``)."""
+    started = await generation.start(d, _generate(input_ids, rid))
+    return [item async for item in started.items()]
 
 
 def _client_of(d: Dispatcher, items: list[Any]) -> WorkerClient:
