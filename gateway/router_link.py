@@ -11,6 +11,7 @@ NOTE: routers are not thread-safe. Every call here runs on the event loop; the l
 the subscribers' threads hold while they apply events to the index.
 """
 
+import inspect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -50,6 +51,7 @@ class RouterLink:
     ) -> None:
         self.name = name
         self.router: Router | None = None
+        self._route_takes_now = False  # NOTE: the Router protocol's route has no clock
         self.feed: KVFeed | None = None
         self._factory, self._max_pages = factory, index_max_pages
         self._on_added, self._on_removed = on_worker_added, on_worker_removed
@@ -78,7 +80,10 @@ class RouterLink:
         if not ids or self.router is None or self.feed is None:
             return None
         with self.feed.lock:
-            decision = self.router.route(req, ids)
+            if self._route_takes_now:  # NOTE: exact optimistic-entry ages after an idle spell
+                decision = self.router.route(req, ids, now_s=time.monotonic())  # type: ignore[call-arg]
+            else:
+                decision = self.router.route(req, ids)
         client = self._clients.get(decision.worker_id)
         if client is None or decision.worker_id not in ids:
             logger.error("router %s picked %r, not a candidate: using %s", self.name,
@@ -114,6 +119,8 @@ class RouterLink:
         if self.feed is None:
             self.feed = KVFeed(welcome.page_size, self._max_pages)
             self.router = self._factory(self.feed.index)
+            params = inspect.signature(self.router.route).parameters
+            self._route_takes_now = "now_s" in params
         if welcome.page_size != self.feed.index.page_size:
             logger.error("worker %s at %s: page size %d, not %d as the others: not routed to",
                          welcome.worker_id, client.endpoint, welcome.page_size,
