@@ -103,6 +103,9 @@ class AgentgateRouter:
         history_credit: fraction (0..1) of the full-KV pages beyond the window-safe point
             credited anyway, betting on SWA history the engine keeps while memory allows (the
             events do not show it). 0 (the default): window-safe credit only.
+        prefix_affinity: a request without a sticky worker stays on the candidate with the
+            most credit when that covers at least this fraction of its prompt, within the same
+            margins (0: off; the lowest score decides).
         lock: held around index reads and writes (``KVEventSubscriber.lock``).
     """
 
@@ -118,6 +121,7 @@ class AgentgateRouter:
         work_weight: float = DEFAULT_WORK_WEIGHT,
         max_affinity_keys: int = DEFAULT_MAX_AFFINITY_KEYS,
         history_credit: float = 0.0,
+        prefix_affinity: float = 0.0,
         lock: contextlib.AbstractContextManager | None = None,
     ) -> None:
         if margin_s < 0 or margin_ratio < 1 or optimistic_ttl_s < 0 or work_weight < 0:
@@ -130,6 +134,7 @@ class AgentgateRouter:
         self.optimistic_ttl_s, self.work_weight = optimistic_ttl_s, work_weight
         self.max_affinity_keys = max_affinity_keys
         self.history_credit = history_credit
+        self.prefix_affinity = prefix_affinity
         self.load = LoadTracker()
         self._lock = lock if lock is not None else contextlib.nullcontext()
         self._workers: dict[str, WorkerInfo] = {}
@@ -191,9 +196,13 @@ class AgentgateRouter:
         with self._lock:
             matches = self.index.match(req.page_hashes, self._now_s) if req.page_hashes else {}
         sticky = self._sticky_worker(req)
-        best, mine, credited = self._pick(req, candidates, matches, sticky)
+        best, mine, owner = self._pick(req, candidates, matches, sticky)
         chosen = best
-        reason = "prefix" if best[2] else ("load" if credited else "cold")
+        reason = "prefix" if best[2] else ("load" if owner is not None else "cold")
+        if mine is None and owner is not None and owner is not best and self.prefix_affinity \
+                and owner[2] >= self.prefix_affinity * req.num_tokens \
+                and self._keeps(owner[3], best[3]):
+            chosen, reason = owner, "prefix"  # NOTE: the prefix owner is sticky too
         if mine is not None:
             if self._keeps(mine[3], best[3]):
                 chosen, reason = mine, "affinity"
@@ -261,12 +270,11 @@ class AgentgateRouter:
     def _pick(
         self, req: RouteRequest, candidates: Sequence[str], matches: dict[str, MatchResult],
         sticky: str | None,
-    ) -> tuple[_Pick, _Pick | None, bool]:
+    ) -> tuple[_Pick, _Pick | None, _Pick | None]:
         """The lowest-scoring candidate, the sticky one's figures (None if not a candidate),
-        and whether any candidate had window-safe credit."""
-        best = mine = None
-        best_key = None
-        credited = False
+        and the one with the most credit (None if none has any; ties: the lower score)."""
+        best = mine = owner = None
+        best_key = owner_key = None
         # NOTE: the per-candidate work is inlined (no call, no object per worker): it runs for
         # every worker on every request (loadtest/bench_router.py)
         memo: dict[tuple[int, int], tuple[int, int, float]] = {}
@@ -290,9 +298,12 @@ class AgentgateRouter:
                 best, best_key = (w, m, cached, ttft, own[1]), key
             if w == sticky:
                 mine = (w, m, cached, ttft, own[1])
-            credited = credited or cached > 0
+            if cached > 0 and (owner_key is None or (-cached, key) < owner_key):
+                owner, owner_key = (w, m, cached, ttft, own[1]), (-cached, key)
         assert best is not None
-        return best, mine, credited
+        if owner is not None and owner[0] == best[0]:
+            owner = best
+        return best, mine, owner
 
     def _estimate(self, req: RouteRequest, worker_id: str, m: MatchResult | None) -> _Estimate:
         """``route``'s figures for one worker (for a request sent somewhere ``route`` did not

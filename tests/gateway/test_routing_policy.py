@@ -223,3 +223,16 @@ def test_history_credit_bets_on_the_raw_match_only_when_asked() -> None:
     bet = routers[1.0].route(_request("r", chain), WORKERS)
     assert (safe.worker_id, safe.cached_tokens) == ("w1", 100 * PAGE)
     assert (bet.worker_id, bet.cached_tokens) == ("w0", 400 * PAGE)
+
+
+def test_prefix_affinity_keeps_a_keyless_request_on_its_prefix_owner_within_the_margin() -> None:
+    chain = _chain(1, 1250)  # 20k tokens, all cached on w0 with a live window
+    picks = {}
+    for pa in (0.0, 0.5):
+        router = _make_router(work_weight=0.0, prefix_affinity=pa, optimistic_ttl_s=0)
+        _feed(router, "w0", _stored(chain),
+              SwaCheckpointStored(block_hashes=[chain[-1]], window=WINDOW))
+        router.dispatched(_request("busy", _chain(10**7, 1625)), "w0", 0.0)  # 26k tokens queued
+        picks[pa] = router.route(_request("r", chain, extra_tokens=8), WORKERS)
+    assert picks[0.0].worker_id != "w0" and picks[0.0].reason == "load"
+    assert (picks[0.5].worker_id, picks[0.5].reason) == ("w0", "prefix")
