@@ -25,7 +25,7 @@ from typing import Any
 # NOTE: sizes chosen with the benchmark in the README (the global pool's hit rate ~30 % on
 # conversation_trace.jsonl); a preset only sets defaults, any flag given wins
 PRESETS: dict[str, dict[str, Any]] = {
-    "conversation": {"kv_budget": "1.25M", "workers": 8, "cost": "h200", "block_size": 512},
+    "conversation": {"kv_budget": "0.6M", "workers": 8, "cost": "h200", "block_size": 512},
 }
 DEFAULT_POLICIES = ("agentgate", "round-robin", "least-loaded", "session-hash",
                     "sglang-cache-aware", "dynamo", "llm-d", "lmetric", "global")

@@ -124,7 +124,8 @@ def replay(requests: Sequence[Any], policy_name: str, cfg: ReplayConfig,
     lost = sum(w.engine.cache.stats.cut_tokens for w in sim.workers.values())
     records = list(sim.records.values())
     ids = list(sim.workers)
-    return ReplayResult(policy_name, cfg, records, ids, summarize(policy_name, records, ids, lost),
+    summary = summarize(policy_name, records, ids, lost, num_workers=cfg.num_workers)
+    return ReplayResult(policy_name, cfg, records, ids, summary,
                         time.perf_counter() - t0, time.process_time() - cpu0, sim.engine_stats())
 
 

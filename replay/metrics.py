@@ -5,7 +5,8 @@
                       credits only a usable match)
     TTFT              first token time - arrival time (arrival at the gateway: it includes
                       admission queueing, routing, prefill and waiting in the engine)
-    input tok/s/wkr   prompt tokens / (last finish - first arrival) / workers
+    input tok/s/wkr   prompt tokens / (last finish - first arrival) / workers (the global pool
+                      counts as the N workers it stands for)
     load imbalance    max / mean of the workers' prompt tokens
     SWA-lost tokens   tokens whose full KV was cached but unusable for lack of a live window
                       (the engines' raw - usable match, over all admissions)
@@ -74,7 +75,9 @@ class Summary:
 
 
 def summarize(policy: str, records: Sequence[RequestRecord], worker_ids: Sequence[str],
-              swa_lost_tokens: int) -> Summary:
+              swa_lost_tokens: int, num_workers: int | None = None) -> Summary:
+    """``num_workers``: what "per worker" divides by (default ``len(worker_ids)``; the global
+    pool's one worker stands for N)."""
     served = [r for r in records if r.status != REJECTED]
     ttfts = sorted(t for r in served if (t := r.ttft_s) is not None)
     prompt = sum(r.prompt_tokens for r in served)
@@ -94,7 +97,8 @@ def summarize(policy: str, records: Sequence[RequestRecord], worker_ids: Sequenc
         hit_rate=cached / prompt if prompt else 0.0,
         ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else 0.0,
         ttft_p50_s=quantile(ttfts, 0.5), ttft_p99_s=quantile(ttfts, 0.99),
-        input_tokens_per_s_per_worker=prompt / span / max(1, len(worker_ids)) if span else 0.0,
+        input_tokens_per_s_per_worker=prompt / span / (num_workers or max(1, len(worker_ids)))
+        if span else 0.0,
         load_imbalance=imbalance(list(per_worker.values())), swa_lost_tokens=swa_lost_tokens,
         reprefill_after_pause_tokens=reprefill,
         reprefill_after_pause_frac=reprefill / prompt if prompt else 0.0,

@@ -101,6 +101,9 @@ def test_global_is_one_worker_with_n_times_the_budget(runs: dict[str, ReplayResu
     assert spec.kv_budget_tokens == CFG.num_workers * CFG.kv_budget_tokens
     one = CFG.worker_spec("round-robin").cost
     assert spec.cost.step_time(100, 3, 0) == pytest.approx(one.step_time(100, 3, 0) / 4)
+    s = runs["global"].summary  # "per worker" = per N workers' worth of pool
+    per_worker = s.prompt_tokens / s.makespan_s / CFG.num_workers
+    assert s.input_tokens_per_s_per_worker == pytest.approx(per_worker)
 
 
 def test_hit_rate_is_the_engines_own_cached_token_count(runs: dict[str, ReplayResult]) -> None:
