@@ -49,18 +49,20 @@ the running request's own window covers and where the engine keeps a checkpoint;
 branch point, which the engine marks once the request recomputes past it). Predicted pages carry
 no window of their own: a sibling that leaves the chain elsewhere gets full-KV credit only.
 
-Matching is O(log pages) per worker for the full-KV part (a binary search over the chain: a page
-hash names its whole prefix and the engine's cache is prefix-closed, so "page i is cached" is
-monotone in i), plus a backward scan from the match end to the deepest window-safe point (it
-stops at the first one; O(pages) only for a long match without any live window on it). A page
-the index lost (the cap) inside a chain it still holds deeper pages of can make the search stop
-early or jump the hole; both are under-reports, as the engine does hold the prefix of any page it
-holds.
+Matching (``gateway.routing.matching``) is O(log pages) per worker for the full-KV part: a
+binary search over the chain (a page hash names its whole prefix and the engine's cache is
+prefix-closed, so "page i is cached" is monotone in i), trying the worker's previous match end
+and the previous worker's first. Then a backward scan from the match end to the deepest
+window-safe point (one lookup when a live checkpoint ends there; O(pages) only for a long match
+without any live window on it). A page the index lost (the cap) inside a chain it still holds
+deeper pages of can make the search stop early or jump the hole; both are under-reports, as the
+engine does hold the prefix of any page it holds.
 
 Memory: at most ``max_pages`` page entries over all workers (about 170 bytes each with CPython
 3.11: the hash, its parent link and the LRU order; test_routing_index.py measures it); beyond it
-the least recently stored or matched entry of the biggest worker is dropped (an under-report
-again). Not thread-safe: callers serialize ``apply*`` and ``match`` (``KVEventSubscriber.lock``).
+the least recently stored entry (a match touches its end page) of the biggest worker is dropped
+(an under-report again). Not thread-safe: callers serialize ``apply*`` and ``match``
+(``KVEventSubscriber.lock``).
 """
 
 from __future__ import annotations
@@ -68,7 +70,6 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from engine.worker.events import (
     MEDIUM_GPU,
@@ -80,22 +81,11 @@ from engine.worker.events import (
     SwaCheckpointDropped,
     SwaCheckpointStored,
 )
+from gateway.routing.matching import MatchResult, full_pages, match_one
 
 DEFAULT_MAX_PAGES = 1_000_000  # ~170 MB; 16M tokens at 16 tokens a page
 DEFAULT_MAX_PREDICTED_PAGES = 200_000  # optimistic entries over all workers
 MAX_PENDING_BATCHES = 10_000  # live batches held while a replay fills the gap before them
-
-
-class MatchResult(NamedTuple):
-    """One worker's cached prefix of a queried hash chain, in pages.
-
-    Attributes:
-        full_pages: pages [0, full_pages) have full KV on the worker.
-        usable_pages: the deepest window-safe resume point (<= full_pages).
-    """
-
-    full_pages: int
-    usable_pages: int
 
 
 @dataclass(slots=True)
@@ -223,7 +213,7 @@ class KVIndex:
             return out
         hint = 0  # NOTE: workers often share a match end (a system prompt): try it first
         for worker_id, w in self._workers.items():
-            result = _match_one(w, page_hashes, now_s, hint)
+            result = match_one(w, page_hashes, now_s, hint)
             if result.full_pages:
                 out[worker_id] = result
                 hint = result.full_pages
@@ -235,7 +225,7 @@ class KVIndex:
         w = self._workers.get(worker_id)
         if w is None or not page_hashes:
             return 0
-        return _full_pages(w.pages, None, None, page_hashes, hint)
+        return full_pages(w.pages, None, None, page_hashes, hint)
 
     # ---------------------------------------------------------------- predictions
 
@@ -457,118 +447,3 @@ class KVIndex:
             biggest.remove(next(iter(biggest.pages)))
             self._num_pages -= 1
             self.stats.evicted_pages += 1
-
-
-# NOTE: tuple.__new__ builds a MatchResult without the NamedTuple's Python-level __new__ (hot path)
-_result = tuple.__new__
-_NO_MATCH = MatchResult(0, 0)
-
-
-def _match_one(
-    w: _Worker, page_hashes: Sequence[int], now_s: float | None, hint: int = 0
-) -> MatchResult:
-    """The engine's rule (``PrefixCache.match``) with "live SWA" = inside a live checkpoint's
-    window (``w.cover``), or at a live predicted checkpoint (``w.pred_ckpts``)."""
-    pred = w.pred if now_s is not None and w.pred else None
-    last = w.last_end
-    if 0 < last <= len(page_hashes) and page_hashes[last - 1] == w.last_end_hash:
-        hint = last  # NOTE: this query shares the worker's previous match end (a session turn)
-    full = _full_pages(w.pages, pred, now_s, page_hashes, hint)
-    if full == 0:
-        return _NO_MATCH
-    end = page_hashes[full - 1]
-    w.last_end, w.last_end_hash = full, end
-    if end in w.pages:
-        w.pages.move_to_end(end)  # NOTE: the match end counts as used
-    k = w.window_pages
-    if k == 0:
-        return _result(MatchResult, (full, full))
-    window = w.ckpts.get(end)
-    if k is not None and window is not None and len(window) >= min(k, full):
-        # NOTE: a live checkpoint at the match end: its k pages have live SWA (the engine's
-        # invariant), whatever the index's cap forgot of them
-        return _result(MatchResult, (full, full))
-    predicted = 0
-    if now_s is not None and w.pred_ckpts:
-        predicted = _predicted_usable(w.pred_ckpts, page_hashes, full, now_s)
-        if predicted == full:
-            return _result(MatchResult, (full, full))
-    usable = 0 if k is None or not w.cover else _usable_pages(w.cover, k, page_hashes, full)
-    return _result(MatchResult, (full, max(usable, predicted)))
-
-
-def _predicted_usable(
-    ckpts: dict[int, tuple[int, float]], page_hashes: Sequence[int], full: int, now_s: float
-) -> int:
-    """The deepest live predicted checkpoint on the query's matched part."""
-    end = ckpts.get(page_hashes[full - 1])
-    if end is not None and end[0] == full and end[1] > now_s:
-        return full  # NOTE: the common case: a sibling extends the predicted prompt
-    usable = 0
-    for h, (d, until_s) in ckpts.items():
-        if usable < d <= full and until_s > now_s and page_hashes[d - 1] == h:
-            usable = d
-    return usable
-
-
-def _full_pages(
-    pages: dict[int, int | None],
-    pred: dict[int, float] | None,
-    now_s: float | None,
-    page_hashes: Sequence[int],
-    hint: int = 0,
-) -> int:
-    """Length of the cached (confirmed or predicted) prefix of ``page_hashes``, by binary
-    search: "page i cached" is monotone in i for a prefix-closed cache (module docstring).
-    ``hint``: a likely answer, checked first (two lookups)."""
-    if pred is None:
-        has = pages.__contains__
-    else:
-
-        def has(h: int) -> bool:
-            if h in pages:
-                return True
-            until_s = pred.get(h)
-            return until_s is not None and until_s > now_s  # type: ignore[operator]
-
-    n = len(page_hashes)
-    if not has(page_hashes[0]):
-        return 0
-    if has(page_hashes[n - 1]):
-        return n
-    lo, hi = 0, n - 1  # NOTE: page lo cached, page hi not
-    if 0 < hint < n - 1:
-        if not has(page_hashes[hint - 1]):
-            hi = hint - 1
-        elif not has(page_hashes[hint]):
-            return hint
-        else:
-            lo = hint
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if has(page_hashes[mid]):
-            lo = mid
-        else:
-            hi = mid
-    return hi
-
-
-def _usable_pages(cover: dict[int, int], k: int, page_hashes: Sequence[int], full: int) -> int:
-    """The deepest page end p <= full whose ``min(k, p)`` pages before it are all in ``cover``.
-
-    Scans back from ``full``; a page j outside ``cover`` rules out every end in (j, j + k], so
-    the next candidate is j itself and each page is looked at once::
-
-        pages   ... j-1 [ j ] j+1 ... p-1 | p        (j not covered, p - 1 - j < k: p fails)
-        next candidate: p = j
-    """
-    p = full
-    while p > 0:
-        need = min(k, p)
-        j = p - 1
-        while j >= p - need and page_hashes[j] in cover:
-            j -= 1
-        if j < p - need:
-            return p
-        p = j
-    return 0
