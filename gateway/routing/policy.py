@@ -8,10 +8,11 @@ For each candidate worker ``w`` and request ``r``::
                                     uncached = num_tokens - cached_w)
     score_w   = ttft_w + work_weight * prefill_work_s(r's uncached on w)
 
-The pick is the lowest score; ties go to the fewest requests in flight, then round robin from the
-last pick (so cold requests on idle workers spread). ``work_weight`` charges the prefill work a
-choice adds to the worker (what it delays everyone after it by): between two near-equal TTFTs the
-one that computes less wins.
+The pick is the lowest score; scores within ``tie_steps`` step overheads of it tie, and ties go to
+the fewest requests in flight, then round robin from the last pick (so cold requests, and new
+sessions whose shared system prompt saves less than a step, spread over idle workers).
+``work_weight`` charges the prefill work a choice adds to the worker (what it delays everyone
+after it by): between two near-equal TTFTs the one that computes less wins.
 
 Sticky until saturated: a request with an ``affinity_key`` stays on the worker the key was last
 sent to (``sticky_worker`` when the caller knows it from the session store, else the router's
@@ -57,6 +58,7 @@ DEFAULT_MARGIN_RATIO = 1.5
 DEFAULT_OPTIMISTIC_TTL_S = 5.0
 DEFAULT_WORK_WEIGHT = 1.0
 DEFAULT_PREFIX_AFFINITY = 0.3
+DEFAULT_TIE_STEPS = 1.0
 # NOTE: chosen by replaying conversation_trace.jsonl (8 workers, h200): work_weight 0.5 -> 1.0
 # with prefix_affinity 0 -> 0.3 took the window-safe hit rate from 30.3 % to 30.9 % at equal TTFT
 DEFAULT_MAX_AFFINITY_KEYS = 100_000
@@ -115,6 +117,9 @@ class AgentgateRouter:
         prefix_affinity: a request without a sticky worker stays on the candidate with the
             most credit when that covers at least this fraction of its prompt, within the same
             margins (0: off, the lowest score decides).
+        tie_steps: scores within this many step overheads of the best one tie (then fewest
+            in flight, then round robin); also the least a prefix must save to make its owner
+            sticky under ``prefix_affinity``.
         lock: held around index reads and writes (``KVEventSubscriber.lock``).
     """
 
@@ -131,6 +136,7 @@ class AgentgateRouter:
         max_affinity_keys: int = DEFAULT_MAX_AFFINITY_KEYS,
         history_credit: float = 0.0,
         prefix_affinity: float = DEFAULT_PREFIX_AFFINITY,
+        tie_steps: float = DEFAULT_TIE_STEPS,
         lock: contextlib.AbstractContextManager | None = None,
     ) -> None:
         if margin_s < 0 or margin_ratio < 1 or optimistic_ttl_s < 0 or work_weight < 0:
@@ -144,6 +150,7 @@ class AgentgateRouter:
         self.max_affinity_keys = max_affinity_keys
         self.history_credit = history_credit
         self.prefix_affinity = prefix_affinity
+        self.tie_steps = tie_steps
         self.load = LoadTracker()
         self._lock = lock if lock is not None else contextlib.nullcontext()
         self._workers: dict[str, WorkerInfo] = {}
@@ -282,8 +289,10 @@ class AgentgateRouter:
     ) -> tuple[_Pick, _Pick | None, _Pick | None]:
         """The lowest-scoring candidate, the sticky one's figures (None if not a candidate),
         and the one with the most credit (None if none has any; ties: the lower score)."""
-        best = mine = owner = None
+        mine = owner = None
         best_key = owner_key = None
+        band = owner_saving = 0.0
+        scored: list[tuple[tuple[float, int, int], _Pick]] = []
         # NOTE: the per-candidate work is inlined (no call, no object per worker): it runs for
         # every worker on every request (loadtest/bench_router.py)
         memo: dict[tuple[int, int], tuple[int, int, float]] = {}
@@ -303,15 +312,24 @@ class AgentgateRouter:
             ttft = ttft_s(c.cost, c.batch, own[0], own[1], wl[PREFILL], wl[QK], wl[DECODING])
             # NOTE: ties: fewest in flight, then round robin from the last pick
             key = (ttft + ww * own[2], wl[IN_FLIGHT], (order.get(w, ring) - rr) % ring)
+            pick = (w, m, cached, ttft, own[1])
+            scored.append((key, pick))
             if best_key is None or key < best_key:
-                best, best_key = (w, m, cached, ttft, own[1]), key
+                best_key = key
+                band = self.tie_steps * c.cost.step_overhead_s
             if w == sticky:
-                mine = (w, m, cached, ttft, own[1])
+                mine = pick
             if cached > 0 and (owner_key is None or (-cached, key) < owner_key):
-                owner, owner_key = (w, m, cached, ttft, own[1]), (-cached, key)
-        assert best is not None
-        if owner is not None and owner[0] == best[0]:
-            owner = best
+                owner, owner_key = pick, (-cached, key)
+                owner_saving = cached * c.cost.prefill_s_per_token
+        assert best_key is not None
+        # NOTE: scores within the band tie (a cached page that saves less than a step's
+        # overhead is noise); ties spread: fewest in flight, then round robin. Without the band
+        # a one-page shared system prompt pulls every new session onto its owner.
+        limit = best_key[0] + band
+        best = min((k[1:], pick) for k, pick in scored if k[0] <= limit)[1]
+        if owner is not None and (owner[0] == best[0] or owner_saving <= band):
+            owner = None if owner[0] != best[0] else best
         return best, mine, owner
 
     def _estimate(self, req: RouteRequest, worker_id: str, m: MatchResult | None) -> _Estimate:

@@ -81,12 +81,12 @@ def test_window_safe_credit_beats_the_raw_match() -> None:
 
 def test_the_last_prompt_token_is_never_credited() -> None:
     router = _make_router()
-    chain = _chain(1, 10)
+    chain = _chain(1, 100)  # NOTE: worth more than the tie band (one h200 step overhead)
     _feed(router, "w2", _stored(chain), SwaCheckpointStored(block_hashes=[chain[-1]],
                                                             window=WINDOW))
-    req = RouteRequest(request_id="r", num_tokens=10 * PAGE, page_hashes=tuple(chain))
+    req = RouteRequest(request_id="r", num_tokens=100 * PAGE, page_hashes=tuple(chain))
     decision = router.route(req, WORKERS)
-    assert decision.worker_id == "w2" and decision.cached_tokens == 10 * PAGE - 1
+    assert decision.worker_id == "w2" and decision.cached_tokens == 100 * PAGE - 1
 
 
 def test_sticky_stays_within_the_margin_then_moves_for_load() -> None:
@@ -236,3 +236,29 @@ def test_prefix_affinity_keeps_a_keyless_request_on_its_prefix_owner_within_the_
         picks[pa] = router.route(_request("r", chain, extra_tokens=8), WORKERS)
     assert picks[0.0].worker_id != "w0" and picks[0.0].reason == "load"
     assert (picks[0.5].worker_id, picks[0.5].reason) == ("w0", "prefix")
+
+
+def test_new_sessions_sharing_a_short_system_prompt_spread_one_at_a_time() -> None:
+    """A shared system prompt whose cached page saves less than a step's overhead must not pull
+    every new session onto its owner: near-equal predictions tie, and ties spread (the dispatch
+    test's 20 sessions sharing "Be brief." all landed on one worker)."""
+    router = _make_router()
+    system = [1]  # one page, with a live window on w0
+    _feed(router, "w0", _stored(system), SwaCheckpointStored(block_hashes=[1], window=WINDOW))
+    placed = []
+    for i in range(8):
+        rid = f"s{i}"
+        req = _request(rid, system + _chain(10_000 * (i + 1), 1), key=f"session-{i}")
+        placed.append(_send(router, req))
+        router.first_token(rid, 0.0)
+        router.finished(rid, 0.0)
+    assert Counter(placed) == {w: 2 for w in WORKERS}, placed
+
+
+def test_a_shared_prefix_worth_more_than_the_tie_band_still_wins() -> None:
+    router = _make_router()
+    system = _chain(1, 200)  # 3,200 tokens with a live window on w0: ~0.16 s of h200 prefill
+    _feed(router, "w0", _stored(system),
+          SwaCheckpointStored(block_hashes=[system[-1]], window=WINDOW))
+    req = _request("r", system + _chain(10_000, 2), key="new-session")
+    assert router.route(req, WORKERS).worker_id == "w0"
