@@ -50,12 +50,7 @@ class SimRunner:
         self._prompt_digests: OrderedDict[str, str] = OrderedDict()
 
     def run(self, batch: Sequence[Scheduled], pages: Sequence[SeqPages]) -> SampleOutput | None:
-        prefill = sum(s.query_len for s in batch if s.query_len > 1)
-        decode = sum(s.query_len for s in batch if s.query_len == 1)
-        # attention work: every query token attends to the keys before it (quadratic in prefill)
-        read = sum(s.query_len * p.seq_len for s, p in zip(batch, pages))
-        self.last_step_s = self.cost.step_time(prefill, decode, read)
-        self.clock_s += self.last_step_s
+        self.advance_clock(batch, pages)
         sampling = [s.seq for s in batch if s.samples]
         if not sampling:
             return None
@@ -77,6 +72,16 @@ class SimRunner:
             for q, ids, t, lp in zip(sampling, allowed, tokens, logprobs)
         ]
         return SampleOutput(torch.tensor(tokens), logprobs, top)
+
+    def advance_clock(self, batch: Sequence[Scheduled], pages: Sequence[SeqPages]) -> None:
+        """Price one step with the cost model: ``last_step_s``, and ``clock_s`` moves by it.
+        Only ``seq_len`` of each request's pages is read."""
+        prefill = sum(s.query_len for s in batch if s.query_len > 1)
+        decode = sum(s.query_len for s in batch if s.query_len == 1)
+        # attention work: every query token attends to the keys before it (quadratic in prefill)
+        read = sum(s.query_len * p.seq_len for s, p in zip(batch, pages))
+        self.last_step_s = self.cost.step_time(prefill, decode, read)
+        self.clock_s += self.last_step_s
 
     def _num_choices(self, seq: SeqState, allowed: np.ndarray | None) -> int:
         if allowed is not None:

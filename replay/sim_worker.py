@@ -11,7 +11,6 @@ time has passed (a live sim worker also releases a step's results only then).
 
 from __future__ import annotations
 
-import inspect
 import zlib
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -172,8 +171,8 @@ class ReplayRunner(SimRunner):
 
     Tokens are ``crc32(request id) + position * golden`` mod vocab: deterministic across runs
     and processes, never a stop token (replays set ``ignore_eos``). No grammars, no logprobs.
-    NOTE: the work sums are SimRunner.run's; only ``seq_len`` of each request's pages is read,
-    so the engine's ``seq_pages`` is replaced by ``_SeqLen`` on replay engines.
+    NOTE: the step is priced by ``SimRunner.advance_clock``, which reads only ``seq_len`` of each
+    request's pages, so the engine's ``seq_pages`` is replaced by ``_SeqLen`` on replay engines.
     """
 
     def __init__(self, vocab_size: int, cost: CostModel) -> None:
@@ -181,11 +180,7 @@ class ReplayRunner(SimRunner):
         self._bases: dict[str, int] = {}
 
     def run(self, batch: Seq[Scheduled], pages: Seq[_SeqLen]) -> SampleOutput | None:  # type: ignore[override]
-        prefill = sum(s.query_len for s in batch if s.query_len > 1)
-        decode = sum(s.query_len for s in batch if s.query_len == 1)
-        read = sum(s.query_len * p.seq_len for s, p in zip(batch, pages))
-        self.last_step_s = self.cost.step_time(prefill, decode, read)
-        self.clock_s += self.last_step_s
+        self.advance_clock(batch, pages)  # type: ignore[arg-type]
         sampling = [s.seq for s in batch if s.samples]
         if not sampling:
             return None
@@ -200,12 +195,9 @@ class ReplayRunner(SimRunner):
 
 
 def _make_engine(spec: WorkerSpec, model_config: ModelConfig, on_event, clock) -> Engine:  # noqa: ANN001
-    kwargs = {}
-    # NOTE: engines that take a clock run retention TTLs on it; otherwise the cache's is swapped
-    if "clock" in inspect.signature(Engine.__init__).parameters:
-        kwargs["clock"] = clock
+    # NOTE: the engine's retention TTLs and the cache's LRU run on the virtual clock
     engine = Engine(spec.engine_config(), model_config, on_cache_event=on_event, cost=spec.cost,
-                    **kwargs)
+                    clock=clock)
     engine.cache.clock = clock
     engine.runner = ReplayRunner(model_config.vocab_size, spec.cost)
     engine.kv.seq_pages = lambda seq, query_len: _SeqLen(seq.num_computed + query_len)  # type: ignore[method-assign]
