@@ -14,13 +14,13 @@ from __future__ import annotations
 import zlib
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
 from engine.config import EngineConfig
 from engine.cost import CostModel
 from engine.engine import Engine, EngineStats
+from engine.kv.paged import SeqPages
 from engine.model_config import ModelConfig
 from engine.protocol import LoadReport
 from engine.sampler import SampleOutput
@@ -161,26 +161,22 @@ class SimWorker:
         return load_report(self.worker_id, self.engine.stats())
 
 
-class _SeqLen(NamedTuple):
-    seq_len: int
-
-
 class ReplayRunner(SimRunner):
     """``SimRunner``'s step cost and clock, without its per-token overheads (profiled: torch
     tensors, a blake2b per token, a page list per request per step, ~25 % of a replay).
 
     Tokens are ``crc32(request id) + position * golden`` mod vocab: deterministic across runs
     and processes, never a stop token (replays set ``ignore_eos``). No grammars, no logprobs.
-    NOTE: the step is priced by ``SimRunner.advance_clock``, which reads only ``seq_len`` of each
-    request's pages, so the engine's ``seq_pages`` is replaced by ``_SeqLen`` on replay engines.
+    NOTE: the step is priced by ``SimRunner.advance_clock``; a sim engine already hands it rows
+    without page lists (``Engine._step_pages``).
     """
 
     def __init__(self, vocab_size: int, cost: CostModel) -> None:
         super().__init__(vocab_size, cost)
         self._bases: dict[str, int] = {}
 
-    def run(self, batch: Seq[Scheduled], pages: Seq[_SeqLen]) -> SampleOutput | None:  # type: ignore[override]
-        self.advance_clock(batch, pages)  # type: ignore[arg-type]
+    def run(self, batch: Seq[Scheduled], pages: Seq[SeqPages]) -> SampleOutput | None:
+        self.advance_clock(batch, pages)
         sampling = [s.seq for s in batch if s.samples]
         if not sampling:
             return None
@@ -198,7 +194,5 @@ def _make_engine(spec: WorkerSpec, model_config: ModelConfig, on_event, clock) -
     # NOTE: the engine's retention TTLs and the cache's LRU run on the virtual clock
     engine = Engine(spec.engine_config(), model_config, on_cache_event=on_event, cost=spec.cost,
                     clock=clock)
-    engine.cache.clock = clock
     engine.runner = ReplayRunner(model_config.vocab_size, spec.cost)
-    engine.kv.seq_pages = lambda seq, query_len: _SeqLen(seq.num_computed + query_len)  # type: ignore[method-assign]
     return engine
