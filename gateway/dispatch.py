@@ -141,9 +141,8 @@ class Dispatcher:
         self._builtin = BuiltinPolicy(self.clients, max_sessions)
         self.max_hasher_keys = min(max_sessions, DEFAULT_MAX_KEYS)
         self._hasher: PrefixHasher | None = None
-        # NOTE: wire request id -> the worker that finished it, for Retain (bounded, LRU)
-        self._finished_on: OrderedDict[str, WorkerClient] = OrderedDict()
-        self._finished_wire_id: dict[str, str] = {}
+        # NOTE: request id -> (the worker that finished it, its wire id), for Retain (bounded, LRU)
+        self._finished_on: OrderedDict[str, tuple[WorkerClient, str]] = OrderedDict()
         self._alive_waiters: list[asyncio.Future[None]] = []
         for client in self.clients:
             client.alive_listeners.append(self._wake)
@@ -221,7 +220,8 @@ class Dispatcher:
                 self.num_retries[reason] += 1
             try:
                 async with contextlib.aclosing(
-                    self._attempt(client, decision, wire, attempt_route, timeouts)
+                    self._attempt(client, decision, wire, attempt_route, timeouts,
+                                  request.request_id)
                 ) as stream:
                     async for item in stream:
                         yield item
@@ -236,13 +236,14 @@ class Dispatcher:
                 logger.warning("retrying %s elsewhere: %s", request.request_id, exc)
 
     def retain(self, request_id: str, ttl_s: float) -> bool:
-        """Send ``Retain(ttl_s)`` for a request that finished lately (its wire id: a retry's is
-        ``<id>.retry<n>``; the original id finds it too) to the worker that ran it; ``ttl_s=0``
-        releases. False when that worker is unknown (long ago) or not reachable now."""
-        client = self._finished_on.get(request_id)
-        if client is None:
+        """Send ``Retain(ttl_s)`` for a request that finished lately to the worker that ran it,
+        under the wire id it ran with (a retry's is ``<id>.retry<n>``); ``ttl_s=0`` releases.
+        False when that worker is unknown (long ago) or not reachable now."""
+        finished = self._finished_on.get(request_id)
+        if finished is None:
             return False
-        return client.retain(self._finished_wire_id.get(request_id, request_id), ttl_s)
+        client, wire_id = finished
+        return client.retain(wire_id, ttl_s)
 
     async def close(self) -> None:
         """Stop the KV event subscribers and wait for the affinity writes still running."""
@@ -260,9 +261,11 @@ class Dispatcher:
         wire: Generate,
         route: RouteRequest,
         timeouts: dict[str, float],
+        request_id: str,
     ) -> AsyncIterator[StreamItem]:
         """Admit (when gated) and send ``wire`` to ``client``; the router hears of its dispatch,
-        first token and end. A failure the retry table retries is raised as ``_Retry``."""
+        first token and end. A failure the retry table retries is raised as ``_Retry``.
+        ``request_id`` is the client's id (``wire``'s is a retry's ``<id>.retry<n>``)."""
         stats = self.stats
         # NOTE: token timings mean something only when the worker sends every step's tokens
         timed = wire.stream_interval_s == 0
@@ -288,7 +291,7 @@ class Dispatcher:
                         else:
                             stats.finished(item)
                             self.routing.finished(client.endpoint, item)
-                            self._note_finished(item.request_id, client)
+                            self._note_finished(request_id, item.request_id, client)
                         started = True
                         yield item
             except (WorkerDead, WorkerError) as exc:
@@ -336,15 +339,11 @@ class Dispatcher:
         if self.gate is not None and wid is not None:
             self.gate.done(rid)
 
-    def _note_finished(self, wire_id: str, client: WorkerClient) -> None:
-        base = wire_id.split(".retry", 1)[0]
-        for key in {base, wire_id}:
-            self._finished_on[key] = client
-            self._finished_on.move_to_end(key)
-            self._finished_wire_id[key] = wire_id
+    def _note_finished(self, request_id: str, wire_id: str, client: WorkerClient) -> None:
+        self._finished_on[request_id] = (client, wire_id)
+        self._finished_on.move_to_end(request_id)
         while len(self._finished_on) > self.max_sessions:
-            key, _ = self._finished_on.popitem(last=False)
-            self._finished_wire_id.pop(key, None)
+            self._finished_on.popitem(last=False)
 
     # ---------------------------------------------------------------- picking
 

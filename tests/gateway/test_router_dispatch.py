@@ -258,7 +258,8 @@ def _client_of(d: Dispatcher, items: list[Any]) -> WorkerClient:
     """The client that ran a finished request (``Dispatcher.retain``'s memory of it)."""
     finished = items[-1]
     assert isinstance(finished, Finished), items
-    return d._finished_on[finished.request_id]
+    client, _wire_id = d._finished_on[finished.request_id]  # NOTE: no retry: the same id
+    return client
 
 
 def _match(d: Dispatcher, hashes: Sequence[int]) -> dict[str, Any]:
