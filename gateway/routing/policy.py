@@ -328,8 +328,10 @@ class AgentgateRouter:
         # a one-page shared system prompt pulls every new session onto its owner.
         limit = best_key[0] + band
         best = min((k[1:], pick) for k, pick in scored if k[0] <= limit)[1]
-        if owner is not None and (owner[0] == best[0] or owner_saving <= band):
-            owner = None if owner[0] != best[0] else best
+        if owner is not None and owner[0] == best[0]:
+            owner = best
+        elif owner is not None and owner_saving <= band:
+            owner = None  # NOTE: its prefix saves less than a step: not worth sticking to
         return best, mine, owner
 
     def _estimate(self, req: RouteRequest, worker_id: str, m: MatchResult | None) -> _Estimate:
