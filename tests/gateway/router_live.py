@@ -3,7 +3,7 @@ with a replay socket, the per-worker counters and routing gauges read from a gat
 ``/metrics``, and prompts long enough to span many KV pages."""
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -70,6 +70,21 @@ def worker_requests(http: httpx.Client) -> dict[str, float]:
 def landed(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """The workers whose request counters moved, and by how much."""
     return {w: n - before.get(w, 0) for w, n in after.items() if n > before.get(w, 0)}
+
+
+def one_home(http: httpx.Client, send: Callable[[], Any]) -> tuple[str, Any]:
+    """Run ``send``; the one worker whose request counter moved, and what ``send`` returned."""
+    before = worker_requests(http)
+    result = send()
+    moved = landed(before, worker_requests(http))
+    assert len(moved) == 1, moved
+    return next(iter(moved)), result
+
+
+def session_turn(http: httpx.Client, sid: str, content: str, max_tokens: int) -> None:
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+    resp = http.post(f"/v1/sessions/{sid}/turns", json=body)
+    assert resp.status_code == 200, resp.text
 
 
 def gauge(http: httpx.Client, name: str, **labels: str) -> float:

@@ -9,6 +9,7 @@ import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -23,7 +24,9 @@ from tests.gateway.router_live import (
     gauge,
     landed,
     metrics,
+    one_home,
     replay_workers,
+    session_turn,
     text,
     worker_requests,
 )
@@ -50,16 +53,8 @@ def test_a_sessions_turns_stay_on_one_worker(http: httpx.Client) -> None:
     created = http.post("/v1/sessions", json={"system": text(1, 100)})
     assert created.status_code in (200, 201), created.text
     sid = created.json()["id"]
-    homes = []
-    for turn in range(NUM_TURNS):
-        before = worker_requests(http)
-        body = {"messages": [{"role": "user", "content": text(100 + turn, 40)}],
-                "max_tokens": 4}
-        resp = http.post(f"/v1/sessions/{sid}/turns", json=body)
-        assert resp.status_code == 200, resp.text
-        moved = landed(before, worker_requests(http))
-        assert len(moved) == 1, moved
-        homes.append(next(iter(moved)))
+    homes = [one_home(http, partial(session_turn, http, sid, text(100 + turn, 40), 4))[0]
+             for turn in range(NUM_TURNS)]
     assert len(set(homes)) == 1, f"turns went to {homes}"
 
 
@@ -70,11 +65,8 @@ def test_a_stateless_client_resending_its_history_lands_where_it_is(
                 {"role": "user", "content": text(200, 20)}]
     homes = []
     for turn in range(NUM_TURNS):
-        before = worker_requests(http)
-        answer = chat(http, messages)
-        moved = landed(before, worker_requests(http))
-        assert len(moved) == 1, moved
-        homes.append(next(iter(moved)))
+        home, answer = one_home(http, partial(chat, http, messages))
+        homes.append(home)
         assert homes[-1] == homes[0], f"turn {turn} moved: {homes}"
         if turn:
             assert cached_tokens(answer) > 0, answer["usage"]

@@ -11,6 +11,7 @@ wherever its own round robin points (the test fails so).
 
 import contextlib
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -22,7 +23,9 @@ from tests.gateway.router_live import (
     cached_tokens,
     chat,
     landed,
+    one_home,
     replay_workers,
+    session_turn,
     text,
     worker_requests,
 )
@@ -60,14 +63,8 @@ def test_a_sessions_turns_on_alternating_replicas_land_on_one_worker(
             homes = []
             for turn in range(NUM_TURNS):
                 http = gateways[turn % 2]
-                before = worker_requests(http)
-                body = {"messages": [{"role": "user", "content": text(50 + turn, 20)}],
-                        "max_tokens": 3}
-                resp = http.post(f"/v1/sessions/{sid}/turns", json=body)
-                assert resp.status_code == 200, resp.text
-                moved = landed(before, worker_requests(http))
-                assert len(moved) == 1, moved
-                homes.append(next(iter(moved)))
+                home, _ = one_home(http, partial(session_turn, http, sid, text(50 + turn, 20), 3))
+                homes.append(home)
             assert len(set(homes)) == 1, f"session {s}: turns went to {homes}"
 
 
