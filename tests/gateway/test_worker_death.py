@@ -50,8 +50,10 @@ def client(
     victim: WorkerProcess, spare: WorkerProcess, tokenizer_dir: Path
 ) -> Iterator[Gateway]:
     """A real HTTP server (TestClient buffers a streamed body whole) in a thread."""
-    # NOTE: least-loaded picks the first listed worker when both are idle; a cost-aware router
-    # (the default) would send everything to the zero-cost spare and never meet the victim
+    # NOTE: least-loaded picks the first worker in its order when both are idle; a cost-aware
+    # router (the default) would send everything to the zero-cost spare and never meet the
+    # victim. KNOWN FLAKE (issue 9 note): the router's order is the order the workers' Welcomes
+    # arrive (gateway/router_link.py), not this list's, so the spare can come first.
     app = create_app(GatewayConfig(model_dir=tokenizer_dir, workers=(victim.listen, spare.listen),
                                    model_name="demo", router="least-loaded",
                                    heartbeat_s=0.1, dead_after_s=DEAD_AFTER_S))
@@ -109,8 +111,8 @@ def test_json_answer_is_retried_or_502(
         time.sleep(0.01)
     time.sleep(kill_after_s)
     if kill_after_s >= WHOLE_ANSWER_INTERVAL_S:
-        # NOTE: on a loaded box the held batch can come later than the sleep; the 502 case is
-        # about a request whose first message the gateway has, so wait for it (bounded)
+        # NOTE: the 502 case is about a request whose first (held) message the gateway has:
+        # wait for it (bounded) rather than trust the sleep
         started_by = time.monotonic() + 10.0
         while not _has_started(doomed) and time.monotonic() < started_by:
             time.sleep(0.01)
