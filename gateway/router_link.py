@@ -57,6 +57,7 @@ class RouterLink:
         self._on_added, self._on_removed = on_worker_added, on_worker_removed
         self._ids: dict[WorkerClient, str] = {}  # NOTE: the routable ones only
         self._clients: dict[str, WorkerClient] = {}
+        self._ranks = {client: i for i, client in enumerate(clients)}  # NOTE: ties' order
         for client in clients:
             client.alive_listeners.append(lambda c=client: self._alive(c))
             client.lost_listeners.append(lambda c=client: self._lost(c))
@@ -130,6 +131,7 @@ class RouterLink:
         info = WorkerInfo(
             wid, welcome.page_size, welcome.cost or CostModel(),
             welcome.max_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS, welcome.sliding_window,
+            rank=self._ranks.get(client),
         )
         self._ids[client], self._clients[wid] = wid, client
         self._call(lambda r: r.add_worker(info))

@@ -37,8 +37,8 @@ MAX_SESSIONS = 100_000  # the dispatcher's default bound of its session -> worke
 
 
 class BaselineRouter:
-    """What the baselines share: the worker list (in the order added, the tie-break order),
-    the router-side ``LoadTracker``, and the life-cycle calls.
+    """What the baselines share: the worker list in tie-break order (by ``WorkerInfo.rank``,
+    then in the order added), the router-side ``LoadTracker``, and the life-cycle calls.
 
     Subclasses implement ``route`` and, when they know a prefix match, ``_cached_tokens``.
     """
@@ -52,6 +52,11 @@ class BaselineRouter:
     def add_worker(self, info: WorkerInfo) -> None:
         self.workers[info.worker_id] = info
         self.load.add_worker(info.worker_id)
+        if info.rank is not None:  # NOTE: stable: unranked ones keep their order, last
+            ranks = {w: i.rank for w, i in self.workers.items() if i is not None}
+            self.workers = dict(sorted(
+                self.workers.items(),
+                key=lambda kv: (1, 0) if ranks.get(kv[0]) is None else (0, ranks[kv[0]])))
 
     def remove_worker(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
@@ -87,7 +92,7 @@ class BaselineRouter:
             self.load.add_worker(worker_id)
 
     def _ordered(self, candidates: Sequence[str]) -> list[str]:
-        """``candidates`` in the order workers were added (the tie-break order)."""
+        """``candidates`` in the tie-break order (``self.workers``')."""
         for w in candidates:
             self._known(w)
         wanted = set(candidates)

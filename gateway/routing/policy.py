@@ -156,7 +156,7 @@ class AgentgateRouter:
         self._workers: dict[str, WorkerInfo] = {}
         self._consts: dict[str, _Consts] = {}
         self._interned: dict[_Consts, _Consts] = {}
-        self._order: dict[str, int] = {}  # worker -> position in the round-robin ring
+        self._order: dict[str, int] = {}  # worker -> position in the ring (WorkerInfo.rank)
         self._next_position = 0
         self._rr = 0
         self._wl: dict[str, list[int]] = {}
@@ -174,8 +174,9 @@ class AgentgateRouter:
         c = _Consts(info.cost, info.max_batched_tokens)
         self._consts[info.worker_id] = self._interned.setdefault(c, c)
         if info.worker_id not in self._order:
-            self._order[info.worker_id] = self._next_position
-            self._next_position += 1
+            position = self._next_position if info.rank is None else info.rank
+            self._order[info.worker_id] = position
+            self._next_position = max(self._next_position, position + 1)
         self.load.add_worker(info.worker_id)
         self._wl.setdefault(info.worker_id, [0, 0, 0, 0])
         with self._lock:

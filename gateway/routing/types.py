@@ -75,13 +75,20 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class WorkerInfo:
-    """What a worker announced in ``Welcome``."""
+    """What a worker announced in ``Welcome``.
+
+    Attributes:
+        rank: the worker's place in the routers' tie-break order: the gateway's configured
+            order, so that ties do not depend on which worker's ``Welcome`` came first. None:
+            after the ranked ones, in the order added.
+    """
 
     worker_id: str
     page_size: int
     cost: CostModel = field(default_factory=CostModel)
     max_batched_tokens: int = 512
     sliding_window: int | None = None
+    rank: int | None = None
 
 
 class Router(Protocol):

@@ -8,6 +8,7 @@ closing leaves no subscriber thread behind.
 import asyncio
 import contextlib
 import signal
+import socket
 import threading
 from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any
@@ -185,6 +186,42 @@ def test_a_restarted_worker_is_followed_on_its_new_event_endpoints() -> None:
                     assert d.routing.workers[a.listen].requests >= 1, d.routing.workers
             finally:
                 a.stop()
+
+    _run(main())
+
+
+@pytest.mark.parametrize("router", ["least-loaded", "agentgate"])
+def test_ties_follow_the_configured_order_not_the_order_workers_came_up(router: str) -> None:
+    """The first-listed worker comes up last: an idle pick still goes to it (it used to go to
+    whichever worker's Welcome arrived first, a flake in tests/gateway/test_worker_death.py)."""
+
+    async def main() -> None:
+        with workers(("up-first", "zero", True)) as (early,):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                late_listen = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+            clients = [WorkerClient(endpoint, first_token_timeout_s=30.0, dead_after_s=2.0,
+                                    heartbeat_s=0.5) for endpoint in (late_listen, early.listen)]
+            d = Dispatcher(clients, router=router, retry_wait_s=5.0)
+            for c in clients:
+                c.start()
+            late = None
+            try:
+                await clients[1].wait_welcome()
+                await _until(lambda: d.link is not None and d.link.worker_id(clients[1]),
+                             "up-first routable")
+                late = _start_on(late_listen, "up-last")
+                await clients[0].wait_welcome()
+                await _until(lambda: d.link.worker_id(clients[0]) is not None,  # type: ignore[union-attr]
+                             "up-last routable")
+                items = await run(d, prompt(70), "idle-pick")
+                assert _client_of(d, items) is clients[0], "the tie went to the worker up first"
+            finally:
+                for c in clients:
+                    c.close()
+                await d.close()
+                if late is not None:
+                    late.stop()
 
     _run(main())
 

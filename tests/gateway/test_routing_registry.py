@@ -9,6 +9,7 @@ import pytest
 
 from gateway.routing import ROUTER_NAMES, KVIndex, make_router
 from gateway.routing.registry import NEEDS_INDEX
+from gateway.routing.types import RouteRequest, WorkerInfo
 
 HAS_AGENTGATE = importlib.util.find_spec("gateway.routing.policy") is not None
 BUILT = [n for n in ROUTER_NAMES if n != "agentgate" or HAS_AGENTGATE]
@@ -47,3 +48,21 @@ def test_options_reach_the_router() -> None:
     assert router.cache_threshold == 0.5
     with pytest.raises(TypeError):
         make_router("dynamo", KVIndex(16), no_such_option=1)
+
+
+# NOTE: dynamo and llm-d break ties at random (as the real ones do); session-hash hashes
+@pytest.mark.parametrize("name", ["agentgate", "round-robin", "least-loaded", "lmetric",
+                                  "sglang-cache-aware"])
+def test_ties_follow_the_rank_not_the_order_workers_arrived(name: str) -> None:
+    """The gateway ranks workers in their configured order; Welcomes arrive in any order. An
+    idle pick goes to rank 0, also after it left and came back."""
+    router = make_router(name, KVIndex(16))
+    for worker_id, rank in (("c", 2), ("b", 1), ("a", 0)):
+        router.add_worker(WorkerInfo(worker_id, 16, rank=rank))
+    assert router.route(RouteRequest("r0", 100), ["c", "b", "a"]).worker_id == "a"
+    fresh = make_router(name, KVIndex(16))
+    for worker_id, rank in (("a", 0), ("c", 2), ("b", 1)):
+        fresh.add_worker(WorkerInfo(worker_id, 16, rank=rank))
+    fresh.remove_worker("a")
+    fresh.add_worker(WorkerInfo("a", 16, rank=0))
+    assert fresh.route(RouteRequest("r1", 100), ["c", "b", "a"]).worker_id == "a"

@@ -50,10 +50,9 @@ def client(
     victim: WorkerProcess, spare: WorkerProcess, tokenizer_dir: Path
 ) -> Iterator[Gateway]:
     """A real HTTP server (TestClient buffers a streamed body whole) in a thread."""
-    # NOTE: least-loaded picks the first worker in its order when both are idle; a cost-aware
-    # router (the default) would send everything to the zero-cost spare and never meet the
-    # victim. KNOWN FLAKE (issue 9 note): the router's order is the order the workers' Welcomes
-    # arrive (gateway/router_link.py), not this list's, so the spare can come first.
+    # NOTE: least-loaded picks the first worker in this list when both are idle (ties follow
+    # the configured order, whichever Welcome arrives first); a cost-aware router (the
+    # default) would send everything to the zero-cost spare and never meet the victim.
     app = create_app(GatewayConfig(model_dir=tokenizer_dir, workers=(victim.listen, spare.listen),
                                    model_name="demo", router="least-loaded",
                                    heartbeat_s=0.1, dead_after_s=DEAD_AFTER_S))
