@@ -77,10 +77,18 @@ class MatchResult(NamedTuple):
 
 
 class CacheEvent(NamedTuple):
-    kind: str  # "stored" | "removed" | "ckpt_stored" | "ckpt_dropped" | "cleared"
+    """One change to the cache, for KV events (``engine.worker.publisher.KVEventBuffer``).
+
+    Kinds: "stored" (a page entered; ``swa``: with its SWA KV), "removed", "swa_stored" (a
+    tombstone's SWA KV came back), "swa_dropped" (a page's SWA KV was freed, its full KV stays),
+    "ckpt_stored", "ckpt_dropped", "cleared".
+    """
+
+    kind: str
     page_hash: int | None = None
     parent_hash: int | None = None
     token_ids: tuple[int, ...] | None = None
+    swa: bool = False
 
 
 @dataclass

@@ -22,6 +22,11 @@ NOTE: one LRU for both kinds, because dropping periodic ones strictly first miss
 synthetic-trace targets at every interval (``loadtest/bench_engine.py hit-rate``): a periodic
 point that keeps being hit is worth more than a resume point nobody came back to.
 
+Events (``on_event``): every page stored or removed, every checkpoint marked or dropped, and
+every change to which pages hold SWA KV ("stored" says whether the page came with its SWA;
+"swa_stored" when a tombstone is revived, "swa_dropped" when history SWA is freed), so that a
+router's index can apply the window-safe rule above exactly, history SWA included.
+
 Ownership: once a page is in the tree, the tree owns it. Running requests pin what they use:
 ``full_refs`` on their deepest node (ancestors are pinned by having children) and ``swa_refs`` on
 the nodes inside their window. Only unpinned pages are ever freed.
@@ -147,6 +152,7 @@ class PrefixCache:
             self.allocator.free(PageKind.FULL, [full_page])
             if swa_page is not None and node.swa_page is None:
                 node.swa_page = swa_page
+                self._emit("swa_stored", node)
             elif swa_page is not None:
                 self.allocator.free(PageKind.SWA, [swa_page])
         else:
@@ -316,7 +322,9 @@ class PrefixCache:
         node.swa_page = None
         self.stats.evicted_swa_pages += 1
         if node.num_children == 0 and node.full_refs == 0:
-            self._delete_leaf(node)
+            self._delete_leaf(node)  # NOTE: announced as removed, which implies the SWA too
+        else:
+            self._emit("swa_dropped", node)
 
     def _drop_checkpoint(self, end: Node) -> None:
         if not end.is_ckpt_end:
@@ -439,6 +447,9 @@ class PrefixCache:
             self.on_event(CacheEvent(kind))
             return
         parent = node.parent.page_hash if node.parent is not None else None
-        tokens = node.token_ids if kind == "stored" else None
-        self.on_event(CacheEvent(kind, node.page_hash, parent, tokens))
+        if kind == "stored":
+            swa = self.has_swa and node.swa_page is not None
+            self.on_event(CacheEvent(kind, node.page_hash, parent, node.token_ids, swa))
+            return
+        self.on_event(CacheEvent(kind, node.page_hash, parent))
 

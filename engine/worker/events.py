@@ -12,10 +12,19 @@ sends ``[b"", start_seq (8 bytes big-endian)]``; the publisher answers every buf
 
 Block hashes are the signed int64 chained page hashes of ``engine.hashing`` (one per page).
 
-The SWA extension adds two event types that say where a window-safe resume point exists (a
-checkpoint: SWA KV for the W tokens before the end of a listed block) and when one is lost while
-the block's full KV stays (DESIGN.md "The SWA invariants" 5). A ``BlockRemoved`` or
-``AllBlocksCleared`` implies the loss of the checkpoints at those blocks.
+The SWA extension adds event types that say where SWA KV is cached, so that a router credits
+only window-safe hits (DESIGN.md "The SWA invariants" 4, 5):
+
+- ``SwaCheckpointStored`` / ``SwaCheckpointDropped``: a window-safe resume point (a checkpoint:
+  SWA KV for the W tokens before the end of a listed block) exists / is lost while the block's
+  full KV stays. A publisher that can say no more than this still lets a router credit its hits.
+- ``SwaBlocksStored`` / ``SwaBlocksDropped``: the SWA KV of each listed (stored) block is cached /
+  was freed while its full KV stays. The native engine sends these for every page ("history" SWA
+  included, which it keeps while memory is plentiful), so a router can credit a hit at any page
+  end whose window is live, exactly as the engine's own match does.
+
+A ``BlockRemoved`` or ``AllBlocksCleared`` implies the loss of the SWA KV and the checkpoints at
+those blocks.
 
 Compatibility notes, checked against vLLM's ``vllm/distributed/kv_events.py``, SGLang's
 ``disaggregation/kv_events.py`` and Dynamo's Rust decoder (``kv_router`` ``RawKvEvent``):
@@ -113,8 +122,37 @@ class SwaCheckpointDropped(
     medium: str | None = MEDIUM_GPU
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | SwaCheckpointStored | SwaCheckpointDropped
-SWA_EXTENSION_EVENTS = (SwaCheckpointStored, SwaCheckpointDropped)
+class SwaBlocksStored(
+    msgspec.Struct, tag=True, tag_field="type", frozen=True, kw_only=True, gc=False
+):
+    """SWA extension: the SWA KV of each listed (already stored) page is cached; ``window`` is
+    W, the tokens an SWA query sees (as in ``SwaCheckpointStored``)."""
+
+    block_hashes: list[int]
+    window: int
+    medium: str | None = MEDIUM_GPU
+
+
+class SwaBlocksDropped(
+    msgspec.Struct, tag=True, tag_field="type", frozen=True, kw_only=True, gc=False
+):
+    """SWA extension: the SWA KV of each listed page was freed; its full KV stays."""
+
+    block_hashes: list[int]
+    medium: str | None = MEDIUM_GPU
+
+
+KVEvent = (
+    BlockStored
+    | BlockRemoved
+    | AllBlocksCleared
+    | SwaCheckpointStored
+    | SwaCheckpointDropped
+    | SwaBlocksStored
+    | SwaBlocksDropped
+)
+SWA_EXTENSION_EVENTS = (SwaCheckpointStored, SwaCheckpointDropped, SwaBlocksStored,
+                        SwaBlocksDropped)
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, frozen=True, gc=False):

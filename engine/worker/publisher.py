@@ -38,6 +38,8 @@ from engine.worker.events import (
     BlockStored,
     EventPublisher,
     KVEvent,
+    SwaBlocksDropped,
+    SwaBlocksStored,
     SwaCheckpointDropped,
     SwaCheckpointStored,
 )
@@ -152,6 +154,7 @@ class _Run:
     hashes: list[int] = field(default_factory=list)
     parent: int | None = None
     token_ids: list[int] | None = None
+    swa: list[int] = field(default_factory=list)  # NOTE: stored runs: the pages with SWA KV
 
 
 class KVEventBuffer:
@@ -179,9 +182,15 @@ class KVEventBuffer:
         self._runs.append(run)
 
     def drain(self) -> list[KVEvent]:
-        """The events collected since the last call, in order, merged; empties the buffer."""
+        """The events collected since the last call, in order, merged; empties the buffer.
+        A ``BlockStored`` whose pages came with SWA KV is followed by a ``SwaBlocksStored``."""
         runs, self._runs = self._runs, []
-        return [self._to_event(run) for run in runs]
+        out: list[KVEvent] = []
+        for run in runs:
+            out.append(self._to_event(run))
+            if run.kind == "stored" and run.swa:
+                out.append(SwaBlocksStored(block_hashes=run.swa, window=self.window))
+        return out
 
     def _to_event(self, run: _Run) -> KVEvent:
         if run.kind == "stored":
@@ -189,6 +198,10 @@ class KVEventBuffer:
                                token_ids=run.token_ids or [], block_size=self.page_size)
         if run.kind == "removed":
             return BlockRemoved(block_hashes=run.hashes)
+        if run.kind == "swa_stored":
+            return SwaBlocksStored(block_hashes=run.hashes, window=self.window)
+        if run.kind == "swa_dropped":
+            return SwaBlocksDropped(block_hashes=run.hashes)
         if run.kind == "ckpt_stored":
             return SwaCheckpointStored(block_hashes=run.hashes, window=self.window)
         if run.kind == "ckpt_dropped":
@@ -214,5 +227,7 @@ def _append(run: _Run, event: CacheEvent) -> None:
         return
     assert event.page_hash is not None, f"{event.kind} event without a page hash"
     run.hashes.append(event.page_hash)
+    if event.swa:
+        run.swa.append(event.page_hash)
     if run.token_ids is not None and event.token_ids is not None:
         run.token_ids.extend(event.token_ids)

@@ -7,20 +7,22 @@ window-safe part of it, by the engine's own rule (``engine.kv.prefix_cache.Prefi
 page end ``p`` is usable when full KV covers pages ``[0, p)`` and the last ``min(k, p)`` pages
 before it have live SWA, ``k = ceil(W / page)``.
 
-The events say where SWA is live only through checkpoints: a live checkpoint ending at page ``j``
-guarantees live SWA on pages ``[j - k + 1, j]`` (the engine's invariant, DESIGN.md "The SWA
-invariants" 3, 5). The index applies the engine's rule to that knowledge (the union of the live
-checkpoints' windows), so it never credits a hit the engine would not give:
+The events say where SWA is live in two ways: per page (``SwaBlocksStored`` /
+``SwaBlocksDropped``, which the native engine sends for every page, "history" SWA included), and
+through checkpoints: a live checkpoint ending at page ``j`` guarantees live SWA on pages
+``[j - k + 1, j]`` (the engine's invariant, DESIGN.md "The SWA invariants" 3, 5), which is all a
+publisher without per-page events tells. The index applies the engine's rule to the union of
+that knowledge, so it never credits a hit the engine would not give:
 
     pages        0    1    2    3    4    5    6        (k = 2)
     full         x    x    x    x    x    x    x        full_pages = 7
-    checkpoint             ^              ^            (ends at pages 2 and 5)
+    checkpoint             ^                           (ends at page 2)
+    SWA blocks                       x    x
     known SWA         x    x         x    x
     usable?      n    n    y    n    n    y    n        usable_pages = 6
 
-The engine may hold more SWA than that ("history" SWA, kept while memory is plentiful); events do
-not announce it, so the index under-reports those hits. After ``PrefixCache.drop_history()`` the
-two agree exactly (tests/gateway/test_routing_index_property.py).
+With per-page events the index and the engine's cache agree exactly, up to the events in flight
+and the cap (tests/gateway/test_routing_index_property.py).
 
 Sequence numbers: each worker's ``kv`` stream counts batches from 0. A gap asks for a replay
 (``apply`` returns the seq to replay from); ``apply_replay`` fills it. When the publisher's replay
@@ -78,6 +80,8 @@ from engine.worker.events import (
     BlockStored,
     KVEvent,
     KVEventBatch,
+    SwaBlocksDropped,
+    SwaBlocksStored,
     SwaCheckpointDropped,
     SwaCheckpointStored,
 )
@@ -102,7 +106,8 @@ class _Worker:
     pages: OrderedDict[int, int | None] = field(default_factory=OrderedDict)
     ckpts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # live end -> its window
     cover: dict[int, int] = field(default_factory=dict)  # page -> live windows holding it
-    window_pages: int | None = None  # k; None until a checkpoint event (or add_worker) says
+    swa: set[int] = field(default_factory=set)  # pages announced with live SWA (SwaBlocks*)
+    window_pages: int | None = None  # k; None until an SWA event (or add_worker) says
     next_seq: int = 0  # the seq of the next batch to apply
     live_last: int | None = None  # the last seq seen on the live stream
     pending: dict[int, KVEventBatch] = field(default_factory=dict)
@@ -117,6 +122,7 @@ class _Worker:
         self.pages.clear()
         self.ckpts.clear()
         self.cover.clear()
+        self.swa.clear()
 
     def add_ckpt(self, end: int, k: int) -> None:
         """A checkpoint ends at ``end``: its window is ``end`` and up to k - 1 known parents."""
@@ -144,6 +150,7 @@ class _Worker:
         self.drop_ckpt(h)
         del self.pages[h]
         self.cover.pop(h, None)
+        self.swa.discard(h)
         return True
 
 
@@ -393,6 +400,12 @@ class KVIndex:
         elif isinstance(event, SwaCheckpointDropped):
             for h in event.block_hashes:
                 w.drop_ckpt(h)
+        elif isinstance(event, SwaBlocksStored):
+            w.window_pages = -(-(event.window or 0) // self.page_size)
+            pages = w.pages  # NOTE: a page the cap dropped stays unknown (an under-report)
+            w.swa.update(h for h in event.block_hashes if h in pages)
+        elif isinstance(event, SwaBlocksDropped):
+            w.swa.difference_update(event.block_hashes)
 
     def _drain(self, w: _Worker) -> int | None:
         while (batch := w.pending.pop(w.next_seq, None)) is not None:

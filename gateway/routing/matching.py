@@ -34,24 +34,26 @@ _NO_MATCH = MatchResult(0, 0)
 def match_one(
     w: _Worker, page_hashes: Sequence[int], now_s: float | None, hint: int = 0
 ) -> MatchResult:
-    """The engine's rule (``PrefixCache.match``) with "live SWA" = inside a live checkpoint's
-    window (``w.cover``), or at a live predicted checkpoint (``w.pred_ckpts``)."""
+    """The engine's rule (``PrefixCache.match``) with "live SWA" = announced per page
+    (``w.swa``) or inside a live checkpoint's window (``w.cover``); or at a live predicted
+    checkpoint (``w.pred_ckpts``)."""
     pred = w.pred if now_s is not None and w.pred else None
     last = w.last_end
     if 0 < last <= len(page_hashes) and page_hashes[last - 1] == w.last_end_hash:
         hint = last  # NOTE: this query shares the worker's previous match end (a session turn)
-    full = full_pages(w.pages, pred, now_s, page_hashes, hint)
+    pages = w.pages
+    full = full_pages(pages, pred, now_s, page_hashes, hint)
     if full == 0:
         return _NO_MATCH
     end = page_hashes[full - 1]
     w.last_end, w.last_end_hash = full, end
-    if end in w.pages:
-        w.pages.move_to_end(end)  # NOTE: the match end counts as used
+    if end in pages:
+        pages.move_to_end(end)  # NOTE: the match end counts as used
     k = w.window_pages
     if k == 0:
         return _result(MatchResult, (full, full))
     window = w.ckpts.get(end)
-    if k is not None and window is not None and len(window) >= min(k, full):
+    if k is not None and window is not None and len(window) >= (k if k < full else full):
         # NOTE: a live checkpoint at the match end: its k pages have live SWA (the engine's
         # invariant), whatever the index's cap forgot of them
         return _result(MatchResult, (full, full))
@@ -60,7 +62,9 @@ def match_one(
         predicted = _predicted_usable(w.pred_ckpts, page_hashes, full, now_s)
         if predicted == full:
             return _result(MatchResult, (full, full))
-    usable = 0 if k is None or not w.cover else _usable_pages(w.cover, k, page_hashes, full)
+    usable = 0
+    if k is not None and (w.cover or w.swa):
+        usable = _usable_pages(w.cover, w.swa, k, page_hashes, full)
     return _result(MatchResult, (full, max(usable, predicted)))
 
 
@@ -120,10 +124,13 @@ def full_pages(
     return hi
 
 
-def _usable_pages(cover: dict[int, int], k: int, page_hashes: Sequence[int], full: int) -> int:
-    """The deepest page end p <= full whose ``min(k, p)`` pages before it are all in ``cover``.
+def _usable_pages(
+    cover: dict[int, int], swa: set[int], k: int, page_hashes: Sequence[int], full: int
+) -> int:
+    """The deepest page end p <= full whose ``min(k, p)`` pages before it all have live SWA (in
+    ``swa`` or ``cover``).
 
-    Scans back from ``full``; a page j outside ``cover`` rules out every end in (j, j + k], so
+    Scans back from ``full``; a page j without live SWA rules out every end in (j, j + k], so
     the next candidate is j itself and each page is looked at once::
 
         pages   ... j-1 [ j ] j+1 ... p-1 | p        (j not covered, p - 1 - j < k: p fails)
@@ -133,7 +140,7 @@ def _usable_pages(cover: dict[int, int], k: int, page_hashes: Sequence[int], ful
     while p > 0:
         need = min(k, p)
         j = p - 1
-        while j >= p - need and page_hashes[j] in cover:
+        while j >= p - need and (page_hashes[j] in swa or page_hashes[j] in cover):
             j -= 1
         if j < p - need:
             return p

@@ -14,6 +14,8 @@ from engine.worker.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    SwaBlocksDropped,
+    SwaBlocksStored,
     SwaCheckpointDropped,
     SwaCheckpointStored,
 )
@@ -108,3 +110,22 @@ def test_kv_event_buffer_merges_runs_that_keep_their_meaning() -> None:
         AllBlocksCleared(),
     ]
     assert buf.drain() == []
+
+
+def test_pages_stored_with_their_swa_are_followed_by_swa_blocks_stored() -> None:
+    """A stored chain keeps one BlockStored; the pages that came with SWA KV follow in one
+    SwaBlocksStored; a revived tombstone and freed history SWA are their own events."""
+    buf = KVEventBuffer(page_size=2, window=4)
+    for ev in [
+        CacheEvent("stored", 1, None, (1, 2), swa=True), CacheEvent("stored", 2, 1, (3, 4)),
+        CacheEvent("stored", 3, 2, (5, 6), swa=True),
+        CacheEvent("swa_dropped", 1), CacheEvent("swa_dropped", 3), CacheEvent("swa_stored", 1),
+    ]:
+        buf.add(ev)
+    assert buf.drain() == [
+        BlockStored(block_hashes=[1, 2, 3], parent_block_hash=None, token_ids=[1, 2, 3, 4, 5, 6],
+                    block_size=2),
+        SwaBlocksStored(block_hashes=[1, 3], window=4),
+        SwaBlocksDropped(block_hashes=[1, 3]),
+        SwaBlocksStored(block_hashes=[1], window=4),
+    ]

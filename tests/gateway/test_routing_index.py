@@ -12,6 +12,8 @@ from engine.worker.events import (
     BlockStored,
     KVEvent,
     KVEventBatch,
+    SwaBlocksDropped,
+    SwaBlocksStored,
     SwaCheckpointDropped,
     SwaCheckpointStored,
     decode_batch,
@@ -187,10 +189,13 @@ def test_cap_evicts_least_recently_used() -> None:
 
 def test_bytes_per_entry() -> None:
     """The memory figure of the notes (printed with -s): what one page entry keeps alive, its
-    hash int included, after the decoded batch is gone. One page in 8 ends a checkpoint."""
+    hash int included, after the decoded batch is gone. Every page has live SWA (what the
+    native engine announces while memory is plentiful) and one page in 8 ends a checkpoint."""
     num = 50_000
     hashes = page_hashes(list(range(num * PAGE)), PAGE, cache_salt=None)
-    payload = encode_batch(_batch(_stored(hashes), _ckpt(*hashes[::8])))
+    payload = encode_batch(_batch(_stored(hashes), SwaBlocksStored(block_hashes=hashes,
+                                                                   window=WINDOW),
+                                  _ckpt(*hashes[::8])))
     del hashes
     index = KVIndex(PAGE)
     gc.collect()
@@ -205,3 +210,19 @@ def test_bytes_per_entry() -> None:
     print(f"KVIndex: {per_entry:.0f} bytes per page entry")
     assert index.num_pages == num
     assert 60 < per_entry < 300, per_entry
+
+
+def test_per_page_swa_events_credit_any_page_end_with_a_live_window() -> None:
+    """The module docstring's picture: a checkpoint at page 2 and SWA announced on pages 4, 5
+    (k = 2): usable up to page end 6. Dropping page 4's SWA cuts it to 3; storing it again, or
+    a checkpoint there, brings it back; a removed page loses its SWA for good."""
+    index = _index_with(_batch(_stored(CHAIN), _ckpt(CHAIN[2])),
+                        _batch(SwaBlocksStored(block_hashes=CHAIN[4:6], window=WINDOW)))
+    assert index.match(CHAIN) == {"w0": MatchResult(7, 6)}
+    index.apply("w0", 2, _batch(SwaBlocksDropped(block_hashes=[CHAIN[4]])))
+    assert index.match(CHAIN) == {"w0": MatchResult(7, 3)}
+    index.apply("w0", 3, _batch(SwaBlocksStored(block_hashes=[CHAIN[4]], window=WINDOW)))
+    assert index.match(CHAIN) == {"w0": MatchResult(7, 6)}
+    index.apply("w0", 4, _batch(BlockRemoved(block_hashes=[CHAIN[6], CHAIN[5]]),
+                                _stored(CHAIN[5:7], CHAIN[4])))
+    assert index.match(CHAIN) == {"w0": MatchResult(7, 3)}, "a re-stored page has no SWA yet"
