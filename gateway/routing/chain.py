@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import random
+import struct
 import sys
 from array import array
 from collections import OrderedDict
@@ -140,7 +141,7 @@ class PrefixHasher:
         entry = self._entries.get(ident)
         if entry is not None and entry.hashes and self._extends(entry, token_ids):
             self.num_incremental += 1
-            new = _hash_tail(token_ids[entry.num_tokens :], self.page_size, entry.hashes[-1])
+            new = _hash_tail(token_ids, entry.num_tokens, self.page_size, entry.hashes[-1])
             if not new:
                 self._entries.move_to_end(ident)
                 return entry.hashes  # NOTE: the fingerprint stands as it is
@@ -203,33 +204,33 @@ _FAST_U32 = (array("I").itemsize == 4 and array("q").itemsize == 8
              and sys.byteorder == "little")
 
 
-def _hash_tail(token_ids: Sequence[int], page_size: int, prev: int) -> array:
-    """``page_hashes(token_ids, page_size, prev=prev)`` as an array, without numpy for a
-    list of ids below 2**32 (the common case: a turn's few hundred new tokens).
+def _hash_tail(token_ids: Sequence[int], start: int, page_size: int, prev: int) -> array:
+    """``page_hashes(token_ids[start:], page_size, prev=prev)`` as an array, without numpy for
+    a list of ids below 2**32 (the common case: a turn's few hundred new tokens).
 
     NOTE: the byte layout is ``engine.hashing``'s (prev as u64 little-endian, then the page's
     ids as u32 little-endian); tests/gateway/test_routing_chain.py checks the two agree. Ids
     that do not fit a u32 (or are not ints) go through ``page_hashes``, which also raises its
     ValueError for bad ones.
     """
-    num_pages = len(token_ids) // page_size
-    if num_pages == 0:
+    num_pages = (len(token_ids) - start) // page_size
+    if num_pages <= 0:
         return array("q")
-    ids = token_ids[: num_pages * page_size]
+    ids = token_ids[start : start + num_pages * page_size]
     try:
         if not _FAST_U32 or not isinstance(ids, list):
             raise TypeError
-        data = array("I", ids).tobytes()
+        data = array("I", ids)
     except (TypeError, OverflowError):
         return array("q", page_hashes(ids, page_size, prev=prev))
-    stride = 4 * page_size
     chain = (prev & _U64_MASK).to_bytes(8, "little")
     chains: list[bytes] = []
     append, digest = chains.append, xxh3_64_intdigest
     # NOTE: each hash stays in its little-endian u64 bytes (the next page's prefix); the array
-    # reads them back as int64, which is the signed form, with no Python int work per page
-    for start in range(0, len(data), stride):
-        chain = digest(chain + data[start : start + stride]).to_bytes(8, "little")
+    # reads them back as int64, which is the signed form, with no Python int work per page.
+    # iter_unpack hands out each page's bytes with no index arithmetic or slice per page.
+    for (page,) in struct.iter_unpack(f"{4 * page_size}s", data):
+        chain = digest(chain + page).to_bytes(8, "little")
         append(chain)
     out = array("q")
     out.frombytes(b"".join(chains))

@@ -243,7 +243,9 @@ class AgentgateRouter:
         self.load.dispatched(req.request_id, worker_id, uncached)
         self._release(req.request_id)  # NOTE: as LoadTracker: a re-sent id ends the old one
         self._sent[req.request_id] = _Sent(worker_id, uncached, est.qk_pairs)
-        wl = self._wl.setdefault(worker_id, [0, 0, 0, 0])
+        wl = self._wl.get(worker_id)
+        if wl is None:
+            wl = self._wl[worker_id] = [0, 0, 0, 0]
         wl[PREFILL] += uncached
         wl[QK] += est.qk_pairs
         wl[IN_FLIGHT] += 1
@@ -290,48 +292,66 @@ class AgentgateRouter:
     ) -> tuple[_Pick, _Pick | None, _Pick | None]:
         """The lowest-scoring candidate, the sticky one's figures (None if not a candidate),
         and the one with the most credit (None if none has any; ties: the lower score)."""
-        mine = owner = None
-        best_key = owner_key = None
-        band = owner_saving = 0.0
-        scored: list[tuple[tuple[float, int, int], _Pick]] = []
-        # NOTE: the per-candidate work is inlined (no call, no object per worker): it runs for
-        # every worker on every request (loadtest/bench_router.py)
-        memo: dict[tuple[int, int], tuple[int, int, float]] = {}
-        consts, wls, order, ww = self._consts, self._wl, self._order, self.work_weight
-        hc = self.history_credit
-        ring, rr, p = max(1, self._next_position), self._rr, self.page_size
-        last = req.num_tokens - 1
+        mine = None
+        picks: list[_Pick] = []
+        scores: list[float] = []
+        top = 0  # the most credit a candidate has
+        # NOTE: the per-candidate work is inlined (no call, no tuple but the pick): it runs for
+        # every worker on every request (loadtest/bench_router.py); the tie-breaks after the
+        # loop look only at the candidates they concern
+        memo: dict[tuple[int, int, int, int, int], tuple[float, int, float]] = {}
+        consts, wls, ww = self._consts, self._wl, self.work_weight
+        hc, p, num_tokens = self.history_credit, self.page_size, req.num_tokens
+        last = num_tokens - 1
         for w in candidates:
             m = matches.get(w)
             c = consts.get(w, _DEFAULT_CONSTS)
-            # NOTE: the last prompt token is always computed, whatever the hashes claim
-            cached = 0 if m is None else min(_credit_pages(m, hc) * p, last)
-            own = memo.get((cached, id(c)))
-            if own is None:
-                own = memo[(cached, id(c))] = _own_prefill(c, cached, req.num_tokens)
+            if m is None:
+                cached = 0
+            else:
+                cached = (m[1] if hc == 0 else _credit_pages(m, hc)) * p
+                if cached > last:
+                    cached = last  # NOTE: the last prompt token is always computed
             wl = wls.get(w, _IDLE)
-            ttft = ttft_s(c.cost, c.batch, own[0], own[1], wl[PREFILL], wl[QK], wl[DECODING])
-            # NOTE: ties: fewest in flight, then round robin from the last pick
-            key = (ttft + ww * own[2], wl[IN_FLIGHT], (order.get(w, ring) - rr) % ring)
-            pick = (w, m, cached, ttft, own[1])
-            scored.append((key, pick))
-            if best_key is None or key < best_key:
-                best_key = key
-                band = self.tie_steps * c.cost.step_overhead_s
+            # NOTE: workers alike in cost, credit and load share one figure (a fleet's idle
+            # workers that hold only the shared system prompt: most of them, most of the time)
+            key = (cached, id(c), wl[PREFILL], wl[QK], wl[DECODING])
+            fig = memo.get(key)
+            if fig is None:
+                fig = memo[key] = self._figures(c, cached, num_tokens, wl, ww)
+            pick = (w, m, cached, fig[0], fig[1])
+            picks.append(pick)
+            scores.append(fig[2])
             if w == sticky:
                 mine = pick
-            if cached > 0 and (owner_key is None or (-cached, key) < owner_key):
-                owner, owner_key = pick, (-cached, key)
-                owner_saving = cached * c.cost.prefill_s_per_token
-        assert best_key is not None
-        # NOTE: scores within the band tie (a cached page that saves less than a step's
-        # overhead is noise); ties spread: fewest in flight, then round robin. Without the band
-        # a one-page shared system prompt pulls every new session onto its owner.
-        limit = best_key[0] + band
-        best = min((k[1:], pick) for k, pick in scored if k[0] <= limit)[1]
-        if owner is not None and owner[0] == best[0]:
+            if cached > top:
+                top = cached
+        tie = self._tie
+        # NOTE: the lowest (score, tie) sets the band; scores within it tie (a cached page that
+        # saves less than a step's overhead is noise) and the ties spread: fewest in flight,
+        # then round robin. Without the band a one-page shared system prompt pulls every new
+        # session onto its owner.
+        low = min(scores)
+        first = scores.index(low)
+        if scores.count(low) > 1:
+            first = min((i for i, s in enumerate(scores) if s == low),
+                        key=lambda i: tie(picks[i][0]))
+        band = self.tie_steps * consts.get(picks[first][0], _DEFAULT_CONSTS).cost.step_overhead_s
+        limit = low + band
+        inside = [i for i, s in enumerate(scores) if s <= limit]
+        if len(inside) > 1:
+            inside[0] = min(inside, key=lambda i: (tie(picks[i][0]), picks[i][0]))
+        best = picks[inside[0]]
+        if top <= 0:
+            return best, mine, None
+        # NOTE: the prefix owner: the most credit, ties to the lower (score, tie)
+        owners = [i for i, pick in enumerate(picks) if pick[2] == top]
+        if len(owners) > 1:
+            owners[0] = min(owners, key=lambda i: (scores[i], tie(picks[i][0])))
+        owner = picks[owners[0]]
+        if owner[0] == best[0]:
             owner = best
-        elif owner is not None and owner_saving <= band:
+        elif top * consts.get(owner[0], _DEFAULT_CONSTS).cost.prefill_s_per_token <= band:
             owner = None  # NOTE: its prefix saves less than a step: not worth sticking to
         return best, mine, owner
 
@@ -341,16 +361,31 @@ class AgentgateRouter:
         c = self._consts.get(worker_id, _DEFAULT_CONSTS)
         cached = 0 if m is None else min(_credit_pages(m, self.history_credit) * self.page_size,
                                          req.num_tokens - 1)
-        uncached, qk, work_s = _own_prefill(c, cached, req.num_tokens)
         wl = self._wl.get(worker_id, _IDLE)
-        ttft = ttft_s(c.cost, c.batch, uncached, qk, wl[PREFILL], wl[QK], wl[DECODING])
+        ttft, qk, score = self._figures(c, cached, req.num_tokens, wl, self.work_weight)
         full = 0 if m is None else m.full_pages * self.page_size
-        return _Estimate(worker_id, max(0, cached), full, ttft, ttft + self.work_weight * work_s,
-                         qk)
+        return _Estimate(worker_id, max(0, cached), full, ttft, score, qk)
 
     def _keeps(self, mine_s: float, best_s: float) -> bool:
         """Whether the sticky worker's TTFT is within either margin of the best one's."""
         return mine_s <= best_s + self.margin_s or mine_s <= best_s * self.margin_ratio
+
+    @staticmethod
+    def _figures(
+        c: _Consts, cached: int, num_tokens: int, wl: Sequence[int], work_weight: float
+    ) -> tuple[float, int, float]:
+        """(predicted TTFT s, qk pairs of the prefill, score) on a worker like ``c`` with load
+        ``wl`` for a request with ``cached`` of its ``num_tokens`` cached."""
+        uncached, qk, work_s = _own_prefill(c, cached, num_tokens)
+        ttft = ttft_s(c.cost, c.batch, uncached, qk, wl[PREFILL], wl[QK], wl[DECODING])
+        return ttft, qk, ttft + work_weight * work_s
+
+    def _tie(self, worker_id: str) -> tuple[int, int]:
+        """The tie-break among equal scores: requests in flight, then the distance round the
+        ring from the last pick."""
+        ring = max(1, self._next_position)
+        return (self._wl.get(worker_id, _IDLE)[IN_FLIGHT],
+                (self._order.get(worker_id, ring) - self._rr) % ring)
 
     def _sticky_worker(self, req: RouteRequest) -> str | None:
         if req.sticky_worker is not None:

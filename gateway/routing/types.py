@@ -147,7 +147,8 @@ class LoadTracker:
             counts.pop(worker_id, None)
 
     def dispatched(self, request_id: str, worker_id: str, uncached_tokens: int) -> None:
-        self.add_worker(worker_id)
+        if worker_id not in self._in_flight:
+            self.add_worker(worker_id)
         if request_id in self._requests:
             self.finished(request_id)
         self._requests[request_id] = _InFlight(worker_id, uncached_tokens)
