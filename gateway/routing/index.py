@@ -49,7 +49,11 @@ Window safety of predictions: a predicted checkpoint stands for a point whose wi
 worker's engine will have live within the TTL (the end of the request's routable prompt, which
 the running request's own window covers and where the engine keeps a checkpoint; an observed
 branch point, which the engine marks once the request recomputes past it). Predicted pages carry
-no window of their own: a sibling that leaves the chain elsewhere gets full-KV credit only.
+a window of their own only on a worker that announces SWA per page (``SwaBlocksStored``): its
+engine stores every computed page with its SWA and frees that history only under pressure, so a
+sibling that leaves the chain anywhere is credited up to its branch point, as the events will
+confirm. Elsewhere a sibling that leaves the chain off a predicted checkpoint gets full-KV credit
+only.
 
 Matching (``gateway.routing.matching``) is O(log pages) per worker for the full-KV part: a
 binary search over the chain (a page hash names its whole prefix and the engine's cache is
@@ -107,6 +111,7 @@ class _Worker:
     ckpts: dict[int, tuple[int, ...]] = field(default_factory=dict)  # live end -> its window
     cover: dict[int, int] = field(default_factory=dict)  # page -> live windows holding it
     swa: set[int] = field(default_factory=set)  # pages announced with live SWA (SwaBlocks*)
+    per_page_swa: bool = False  # NOTE: the publisher sends SwaBlocks* (kept across a clear)
     window_pages: int | None = None  # k; None until an SWA event (or add_worker) says
     next_seq: int = 0  # the seq of the next batch to apply
     live_last: int | None = None  # the last seq seen on the live stream
@@ -402,6 +407,7 @@ class KVIndex:
                 w.drop_ckpt(h)
         elif isinstance(event, SwaBlocksStored):
             w.window_pages = -(-(event.window or 0) // self.page_size)
+            w.per_page_swa = True
             pages = w.pages  # NOTE: a page the cap dropped stays unknown (an under-report)
             w.swa.update(h for h in event.block_hashes if h in pages)
         elif isinstance(event, SwaBlocksDropped):

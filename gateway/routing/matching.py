@@ -63,8 +63,10 @@ def match_one(
         if predicted == full:
             return _result(MatchResult, (full, full))
     usable = 0
-    if k is not None and (w.cover or w.swa):
-        usable = _usable_pages(w.cover, w.swa, k, page_hashes, full)
+    if k is not None and (w.cover or w.swa or pred):
+        # NOTE: predicted pages have live SWA only where the engine announces SWA per page
+        live_pred = pred if w.per_page_swa else None
+        usable = _usable_pages(w.cover, w.swa, k, page_hashes, full, live_pred, now_s)
     return _result(MatchResult, (full, max(usable, predicted)))
 
 
@@ -125,10 +127,16 @@ def full_pages(
 
 
 def _usable_pages(
-    cover: dict[int, int], swa: set[int], k: int, page_hashes: Sequence[int], full: int
+    cover: dict[int, int],
+    swa: set[int],
+    k: int,
+    page_hashes: Sequence[int],
+    full: int,
+    pred: dict[int, float] | None = None,
+    now_s: float | None = None,
 ) -> int:
     """The deepest page end p <= full whose ``min(k, p)`` pages before it all have live SWA (in
-    ``swa`` or ``cover``).
+    ``swa`` or ``cover``, or predicted in ``pred`` until after ``now_s``).
 
     Scans back from ``full``; a page j without live SWA rules out every end in (j, j + k], so
     the next candidate is j itself and each page is looked at once::
@@ -140,7 +148,11 @@ def _usable_pages(
     while p > 0:
         need = min(k, p)
         j = p - 1
-        while j >= p - need and (page_hashes[j] in swa or page_hashes[j] in cover):
+        while j >= p - need and (
+            (h := page_hashes[j]) in swa
+            or h in cover
+            or (pred is not None and pred.get(h, 0.0) > now_s)  # type: ignore[operator]
+        ):
             j -= 1
         if j < p - need:
             return p

@@ -79,13 +79,11 @@ def test_a_stateless_client_resending_its_history_lands_where_it_is(
     assert prefix >= NUM_TURNS - 1, decisions
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "AgentgateRouter credits only window-safe matches: a sibling of a new prefix has no "
-    "checkpoint at its branch point, so it is routed cold (by load) and the burst spreads "
-    "(seen 5/2/1); issue 9, router policy"))
 def test_a_burst_sharing_a_long_new_prefix_lands_on_one_worker(http: httpx.Client) -> None:
     """Eight parallel requests, the same new prefix (about 1,250 tokens), each its own question:
-    the first one's optimistic index entries draw the others before any KV event came."""
+    the first one's optimistic index entries draw the others before any KV event came (the sim
+    worker announces SWA per page, so a predicted page has a window: it used to spread 5/2/1,
+    with no checkpoint predicted at the siblings' branch point)."""
     shared = text(3, 150)
     before = worker_requests(http)
 

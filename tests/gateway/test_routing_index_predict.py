@@ -9,6 +9,7 @@ from engine.worker.events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    SwaBlocksStored,
     SwaCheckpointStored,
 )
 from gateway.routing import KVIndex, MatchResult
@@ -55,6 +56,20 @@ def test_a_predicted_checkpoint_off_the_query_gives_no_window() -> None:
     other = CHAIN[:9] + [1, 2, 3]
     assert index.match(other, now_s=0.0) == {"w": MatchResult(9, 7)}
     assert index.match(CHAIN[:6] + [1], now_s=0.0) == {"w": MatchResult(6, 0)}
+
+
+def test_predicted_pages_have_a_window_where_swa_is_announced_per_page() -> None:
+    """A sibling leaving a predicted chain between checkpoints: credited up to its branch point
+    on a worker that announces SWA per page (the engine keeps SWA on every page it computes),
+    full-KV credit only on one that announces checkpoints alone; never past the prediction."""
+    index = _index()
+    index.add_worker("c", window_pages=2)
+    _apply(index, SwaBlocksStored(block_hashes=[], window=WINDOW))  # NOTE: "w" says it does
+    sibling = CHAIN[:9] + [1, 2, 3]
+    for worker in ("w", "c"):
+        index.predict(worker, CHAIN[:12], until_s=5.0, checkpoint_pages=[12])
+    assert index.match(sibling, now_s=0.0) == {"w": MatchResult(9, 9), "c": MatchResult(9, 0)}
+    assert index.match(sibling, now_s=5.0) == {}
 
 
 def test_renewed_predictions_outlive_the_first() -> None:
