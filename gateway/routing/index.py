@@ -76,6 +76,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from engine.worker.events import (
     MEDIUM_GPU,
@@ -89,9 +90,9 @@ from engine.worker.events import (
     SwaCheckpointDropped,
     SwaCheckpointStored,
 )
-from gateway.routing.matching import MatchResult, full_pages, match_one
+from gateway.routing.matching import MatchResult, full_pages, match_all
 
-DEFAULT_MAX_PAGES = 1_000_000  # ~170 MB; 16M tokens at 16 tokens a page
+DEFAULT_MAX_PAGES = 1_000_000  # ~250 MB; 16M tokens at 16 tokens a page
 DEFAULT_MAX_PREDICTED_PAGES = 200_000  # optimistic entries over all workers
 MAX_PENDING_BATCHES = 10_000  # live batches held while a replay fills the gap before them
 
@@ -220,16 +221,7 @@ class KVIndex:
         """
         if now_s is not None:
             self.expire(now_s)
-        out = {}
-        if not page_hashes:
-            return out
-        hint = 0  # NOTE: workers often share a match end (a system prompt): try it first
-        for worker_id, w in self._workers.items():
-            result = match_one(w, page_hashes, now_s, hint)
-            if result.full_pages:
-                out[worker_id] = result
-                hint = result.full_pages
-        return out
+        return match_all(self._workers, page_hashes, now_s) if page_hashes else {}
 
     def confirmed_pages(self, worker_id: str, page_hashes: Sequence[int], hint: int = 0) -> int:
         """The raw match of ``page_hashes`` on ``worker_id`` from events alone (no
@@ -261,7 +253,7 @@ class KVIndex:
         # NOTE: the latest prediction of a page wins (with one TTL and a forward clock, that is
         # the longest-lived); a renewed page is listed again, the older queue item skips it
         before = len(pred)
-        pred.update(dict.fromkeys(added, until_s))
+        pred.update(zip(added, repeat(until_s)))  # NOTE: no dict in between (dict.fromkeys)
         num_new = len(pred) - before
         ends = []
         for d in checkpoint_pages:

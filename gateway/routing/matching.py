@@ -31,6 +31,62 @@ _result = tuple.__new__
 _NO_MATCH = MatchResult(0, 0)
 
 
+def match_all(
+    workers: dict[str, _Worker], page_hashes: Sequence[int], now_s: float | None
+) -> dict[str, MatchResult]:
+    """Per worker with at least one page of ``page_hashes`` (not empty) cached: its
+    ``match_one`` result, trying the previous worker's match end as its hint.
+
+    NOTE: the common cases are inlined (a call per worker is a fair part of a route's CPU), with
+    ``match_one``'s probes and results exactly: the worker holds nothing of the query (its first
+    page), or the match ends at the whole query or at the hint with the end page's window live
+    (k = 0, a live checkpoint or a live predicted one there). Anything else (a bisection, a scan
+    for the window) goes to ``match_one`` from scratch.
+    """
+    out = {}
+    n = len(page_hashes)
+    first, deepest = page_hashes[0], page_hashes[n - 1]
+    hint = 0  # NOTE: workers often share a match end (a system prompt): try it first
+    for worker_id, w in workers.items():
+        pages = w.pages
+        cached = pages if now_s is None or not w.pred else _Live(pages, w.pred, now_s)
+        if first not in cached:
+            continue
+        # NOTE: the candidate end (full pages, the hash of page full - 1) in match_one's order:
+        # the whole query, the worker's previous match end (a session turn), the previous
+        # worker's (a shared system prompt); any other answer needs the bisection
+        if deepest in cached:
+            full, end = n, deepest
+        else:
+            full, end = w.last_end, w.last_end_hash
+            if not (0 < full <= n and page_hashes[full - 1] == end):
+                full = hint
+                end = page_hashes[full - 1] if full else 0
+            if not (0 < full < n - 1 and end in cached and page_hashes[full] not in cached):
+                full = 0
+        if full:
+            k = w.window_pages
+            if k == 0 or (
+                k is not None and len(w.ckpts.get(end, ())) >= (k if k < full else full)
+            ) or (
+                now_s is not None
+                and (c := w.pred_ckpts.get(end)) is not None
+                and c[0] == full
+                and c[1] > now_s
+            ):
+                w.last_end, w.last_end_hash = full, end
+                if end in pages:
+                    pages.move_to_end(end)  # NOTE: the match end counts as used
+                out[worker_id] = _result(MatchResult, (full, full))
+                hint = full
+                continue
+        result = match_one(w, page_hashes, now_s, hint)
+        if result.full_pages:
+            out[worker_id] = result
+            hint = result.full_pages
+    return out
+
+
 def match_one(
     w: _Worker, page_hashes: Sequence[int], now_s: float | None, hint: int = 0
 ) -> MatchResult:
@@ -94,36 +150,46 @@ def full_pages(
     """Length of the cached (confirmed or predicted) prefix of ``page_hashes``, by binary
     search: "page i cached" is monotone in i for a prefix-closed cache (module docstring).
     ``hint``: a likely answer, checked first (two lookups)."""
-    if pred is None:
-        has = pages.__contains__
-    else:
-
-        def has(h: int) -> bool:
-            if h in pages:
-                return True
-            until_s = pred.get(h)
-            return until_s is not None and until_s > now_s  # type: ignore[operator]
-
+    cached = pages if pred is None else _Live(pages, pred, now_s)  # type: ignore[arg-type]
     n = len(page_hashes)
-    if not has(page_hashes[0]):
+    if page_hashes[0] not in cached:
         return 0
-    if has(page_hashes[n - 1]):
+    if page_hashes[n - 1] in cached:
         return n
     lo, hi = 0, n - 1  # NOTE: page lo cached, page hi not
     if 0 < hint < n - 1:
-        if not has(page_hashes[hint - 1]):
+        if page_hashes[hint - 1] not in cached:
             hi = hint - 1
-        elif not has(page_hashes[hint]):
+        elif page_hashes[hint] not in cached:
             return hint
         else:
             lo = hint
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if has(page_hashes[mid]):
+        if page_hashes[mid] in cached:
             lo = mid
         else:
             hi = mid
     return hi
+
+
+class _Live:
+    """The pages cached on a worker at ``now_s``: confirmed, or predicted until after it.
+
+    NOTE: a container rather than a closure, so that the matching code tests ``h in cached``
+    alike for a plain ``pages`` dict (no Python call at all, the common case) and this.
+    """
+
+    __slots__ = ("pages", "pred", "now_s")
+
+    def __init__(self, pages: dict[int, int | None], pred: dict[int, float], now_s: float) -> None:
+        self.pages, self.pred, self.now_s = pages, pred, now_s
+
+    def __contains__(self, h: int) -> bool:
+        if h in self.pages:
+            return True
+        until_s = self.pred.get(h)
+        return until_s is not None and until_s > self.now_s
 
 
 def _usable_pages(
