@@ -56,11 +56,15 @@ from gateway.routing.types import Decision, LoadTracker, RouteRequest, WorkerInf
 DEFAULT_MARGIN_S = 0.5
 DEFAULT_MARGIN_RATIO = 1.5
 DEFAULT_OPTIMISTIC_TTL_S = 5.0
-DEFAULT_WORK_WEIGHT = 1.0
+DEFAULT_WORK_WEIGHT = 12.0
 DEFAULT_PREFIX_AFFINITY = 0.3
 DEFAULT_TIE_STEPS = 1.0
-# NOTE: chosen by replaying conversation_trace.jsonl (8 workers, h200): work_weight 0.5 -> 1.0
-# with prefix_affinity 0 -> 0.3 took the window-safe hit rate from 30.3 % to 30.9 % at equal TTFT
+# NOTE: work_weight 12: once the index saw history SWA (SwaBlocksStored), weighing a choice's own
+# prefill work more kept more hits at no TTFT cost. Replaying conversation_trace.jsonl (8 workers,
+# h200, admission on) at 0.6M tokens of KV each, work_weight 1 / 4 / 8 / 12 / 16 gave hit 29.7 /
+# 30.4 / 30.8 / 31.0 / 31.0 % and TTFT mean 0.578 / 0.576 / 0.574 / 0.574 / 0.577 s; at 1M tokens,
+# 1 -> 12 took hit 31.2 -> 32.3 % and the mean 0.568 -> 0.566 s; the agent workload is unchanged
+# (its turns follow their session). prefix_affinity 0.3 came from the same trace.
 DEFAULT_MAX_AFFINITY_KEYS = 100_000
 DEFAULT_MAX_BATCHED_TOKENS = 512
 
