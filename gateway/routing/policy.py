@@ -8,9 +8,10 @@ For each candidate worker ``w`` and request ``r``::
                                     uncached = num_tokens - cached_w)
     score_w   = ttft_w + work_weight * prefill_work_s(r's uncached on w)
 
-The pick is the lowest score; scores within ``tie_steps`` step overheads of it tie, and ties go to
-the fewest requests in flight, then round robin from the last pick (so cold requests, and new
-sessions whose shared system prompt saves less than a step, spread over idle workers).
+The pick is the lowest score; scores within ``tie_steps`` step overheads of it tie (times
+``1 + work_weight`` in score units, since a saved prefill second counts in both terms), and ties
+go to the fewest requests in flight, then round robin from the last pick (so cold requests, and
+new sessions whose shared system prompt saves less than a step, spread over idle workers).
 ``work_weight`` charges the prefill work a choice adds to the worker (what it delays everyone
 after it by): between two near-equal TTFTs the one that computes less wins.
 
@@ -341,7 +342,10 @@ class AgentgateRouter:
             first = min((i for i, s in enumerate(scores) if s == low),
                         key=lambda i: tie(picks[i][0]))
         band = self.tie_steps * consts.get(picks[first][0], _DEFAULT_CONSTS).cost.step_overhead_s
-        limit = low + band
+        # NOTE: a prefill second saved lowers the score by 1 + work_weight (the TTFT and the
+        # work term), so the band in score units scales alike: what counts as noise (a saving
+        # under a step) does not depend on work_weight
+        limit = low + band * (1.0 + ww)
         inside = [i for i, s in enumerate(scores) if s <= limit]
         if len(inside) > 1:
             inside[0] = min(inside, key=lambda i: (tie(picks[i][0]), picks[i][0]))

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from engine.cost import H200_COST
+from engine.cost import COST_PRESETS, H200_COST
 from engine.worker.events import (
     BlockStored,
     KVEvent,
@@ -238,11 +238,19 @@ def test_prefix_affinity_keeps_a_keyless_request_on_its_prefix_owner_within_the_
     assert (picks[0.5].worker_id, picks[0.5].reason) == ("w0", "prefix")
 
 
-def test_new_sessions_sharing_a_short_system_prompt_spread_one_at_a_time() -> None:
+@pytest.mark.parametrize("cost", ["h200", "cpu"])
+@pytest.mark.parametrize("work_weight", [1.0, 12.0, 50.0])
+def test_new_sessions_sharing_a_short_system_prompt_spread_one_at_a_time(
+    cost: str, work_weight: float
+) -> None:
     """A shared system prompt whose cached page saves less than a step's overhead must not pull
     every new session onto its owner: near-equal predictions tie, and ties spread (the dispatch
-    test's 20 sessions sharing "Be brief." all landed on one worker)."""
-    router = _make_router()
+    test's 20 sessions sharing "Be brief." all landed on one worker; again with work_weight 12
+    and the cpu cost, until the band counted the work term too)."""
+    router = AgentgateRouter(KVIndex(PAGE), work_weight=work_weight)
+    for w in WORKERS:
+        router.add_worker(WorkerInfo(w, PAGE, COST_PRESETS[cost], max_batched_tokens=8192,
+                                     sliding_window=WINDOW))
     system = [1]  # one page, with a live window on w0
     _feed(router, "w0", _stored(system), SwaCheckpointStored(block_hashes=[1], window=WINDOW))
     placed = []
