@@ -8,10 +8,10 @@ For each candidate worker ``w`` and request ``r``::
                                     uncached = num_tokens - cached_w)
     score_w   = ttft_w + work_weight * prefill_work_s(r's uncached on w)
 
-The pick is the lowest score; scores within ``tie_steps`` step overheads of it tie (times
-``1 + work_weight`` in score units, since a saved prefill second counts in both terms), and ties
-go to the fewest requests in flight, then round robin from the last pick (so cold requests, and
-new sessions whose shared system prompt saves less than a step, spread over idle workers).
+The pick is the lowest score; scores within ``tie_steps`` step overheads of it tie, and ties go to
+the fewest requests in flight, then round robin from the last pick. A credit whose prefill saving
+is no more than ``tie_steps`` step overheads does not score at all (noise), so cold requests, and
+new sessions whose shared system prompt saves less than a step, spread over idle workers.
 ``work_weight`` charges the prefill work a choice adds to the worker (what it delays everyone
 after it by): between two near-equal TTFTs the one that computes less wins.
 
@@ -307,23 +307,28 @@ class AgentgateRouter:
         memo: dict[tuple[int, int, int, int, int], tuple[float, int, float]] = {}
         consts, wls, ww = self._consts, self._wl, self.work_weight
         hc, p, num_tokens = self.history_credit, self.page_size, req.num_tokens
-        last = num_tokens - 1
+        last, steps = num_tokens - 1, self.tie_steps
         for w in candidates:
             m = matches.get(w)
             c = consts.get(w, _DEFAULT_CONSTS)
-            if m is None:
-                cached = 0
-            else:
+            scored = cached = 0
+            if m is not None:
                 cached = (m[1] if hc == 0 else _credit_pages(m, hc)) * p
                 if cached > last:
                     cached = last  # NOTE: the last prompt token is always computed
+                # NOTE: a credit that saves no more than tie_steps step overheads is noise and
+                # does not score (else work_weight times it outweighs the tie band, and a
+                # one-page shared system prompt pulls every new session onto its owner)
+                cost = c.cost
+                if cached * cost.prefill_s_per_token > steps * cost.step_overhead_s:
+                    scored = cached
             wl = wls.get(w, _IDLE)
             # NOTE: workers alike in cost, credit and load share one figure (a fleet's idle
             # workers that hold only the shared system prompt: most of them, most of the time)
-            key = (cached, id(c), wl[PREFILL], wl[QK], wl[DECODING])
+            key = (scored, id(c), wl[PREFILL], wl[QK], wl[DECODING])
             fig = memo.get(key)
             if fig is None:
-                fig = memo[key] = self._figures(c, cached, num_tokens, wl, ww)
+                fig = memo[key] = self._figures(c, scored, num_tokens, wl, ww)
             pick = (w, m, cached, fig[0], fig[1])
             picks.append(pick)
             scores.append(fig[2])
@@ -342,10 +347,7 @@ class AgentgateRouter:
             first = min((i for i, s in enumerate(scores) if s == low),
                         key=lambda i: tie(picks[i][0]))
         band = self.tie_steps * consts.get(picks[first][0], _DEFAULT_CONSTS).cost.step_overhead_s
-        # NOTE: a prefill second saved lowers the score by 1 + work_weight (the TTFT and the
-        # work term), so the band in score units scales alike: what counts as noise (a saving
-        # under a step) does not depend on work_weight
-        limit = low + band * (1.0 + ww)
+        limit = low + band
         inside = [i for i, s in enumerate(scores) if s <= limit]
         if len(inside) > 1:
             inside[0] = min(inside, key=lambda i: (tie(picks[i][0]), picks[i][0]))
