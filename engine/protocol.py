@@ -179,6 +179,9 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True, kw_only=True):
         events_endpoint: the PUB endpoint of its KV events and load reports, as bound (a
             wildcard host such as ``0.0.0.0`` means "the host you connected to").
         replay_endpoint: the ROUTER endpoint that replays missed KV event batches; None if none.
+        swa_page_events: its KV events announce SWA per page (``SwaBlocksStored`` /
+            ``SwaBlocksDropped``), not only checkpoints: a router may then count a page it
+            predicts (one a request sent there is computing) as having its SWA.
     """
 
     version: int
@@ -192,6 +195,7 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True, kw_only=True):
     max_batched_tokens: int = 0
     events_endpoint: str | None = None
     replay_endpoint: str | None = None
+    swa_page_events: bool = False
 
 
 class TokenDelta(msgspec.Struct, tag="token_delta", frozen=True, kw_only=True):

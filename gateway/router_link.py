@@ -131,7 +131,7 @@ class RouterLink:
         info = WorkerInfo(
             wid, welcome.page_size, welcome.cost or CostModel(),
             welcome.max_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS, welcome.sliding_window,
-            rank=self._ranks.get(client),
+            rank=self._ranks.get(client), swa_page_events=welcome.swa_page_events,
         )
         self._ids[client], self._clients[wid] = wid, client
         self._call(lambda r: r.add_worker(info))

@@ -180,9 +180,11 @@ class Replay:
         self.learner = _make_learner() if cfg.retention else None
         self.next_report = dict.fromkeys(self.workers, 0.0)
         for wid in self.workers:
-            self.index.add_worker(wid, window_pages=k)
+            # NOTE: as a live worker's Welcome says: its events announce SWA per page
+            self.index.add_worker(wid, window_pages=k, per_page_swa=True)
             self.router.add_worker(WorkerInfo(wid, cfg.page_tokens, spec.cost,
-                                              spec.max_batched_tokens, window))
+                                              spec.max_batched_tokens, window,
+                                              swa_page_events=True))
             if self.admission is not None:
                 self.admission.add_worker(wid, spec.cost, spec.max_batched_tokens)
 

@@ -205,6 +205,7 @@ class Worker:
             # its estimate (``--cost``), which only the router's predictions use
             cost=COST_PRESETS[self.cfg.cost], max_batched_tokens=e.cfg.max_num_batched_tokens,
             events_endpoint=self._pub.endpoint, replay_endpoint=self._pub.replay_endpoint,
+            swa_page_events=True,  # NOTE: engine.worker.publisher.KVEventBuffer sends them
         )
 
     # ------------------------------------------------------------------ messages

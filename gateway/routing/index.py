@@ -286,12 +286,17 @@ class KVIndex:
 
     # ---------------------------------------------------------------- membership
 
-    def add_worker(self, worker_id: str, *, window_pages: int | None = None) -> None:
+    def add_worker(
+        self, worker_id: str, *, window_pages: int | None = None, per_page_swa: bool = False
+    ) -> None:
         """Start tracking ``worker_id`` (``apply`` does it too). ``window_pages`` is k; 0 for
-        a model without SWA layers (every full page is usable); None: learn it from events."""
+        a model without SWA layers (every full page is usable); None: learn it from events.
+        ``per_page_swa``: its events announce SWA per page (``Welcome.swa_page_events``; the
+        first ``SwaBlocksStored`` says so too), so predicted pages have their SWA."""
         w = self._workers.setdefault(worker_id, _Worker())
         if window_pages is not None:
             w.window_pages = window_pages
+        w.per_page_swa = w.per_page_swa or per_page_swa
 
     def remove_worker(self, worker_id: str) -> None:
         """The worker left: forget it."""

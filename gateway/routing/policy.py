@@ -187,9 +187,10 @@ class AgentgateRouter:
         with self._lock:
             # NOTE: what the index knows already (events, or whoever built it) stands
             if self.index.window_pages(info.worker_id) is None:
-                self.index.add_worker(info.worker_id, window_pages=_window_pages(info))
+                self.index.add_worker(info.worker_id, window_pages=_window_pages(info),
+                                      per_page_swa=info.swa_page_events)
             else:
-                self.index.add_worker(info.worker_id)
+                self.index.add_worker(info.worker_id, per_page_swa=info.swa_page_events)
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget the worker: its load, its in-flight requests, affinities to it, its pages."""

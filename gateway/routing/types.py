@@ -81,6 +81,7 @@ class WorkerInfo:
         rank: the worker's place in the routers' tie-break order: the gateway's configured
             order, so that ties do not depend on which worker's ``Welcome`` came first. None:
             after the ranked ones, in the order added.
+        swa_page_events: its KV events announce SWA per page (``Welcome.swa_page_events``).
     """
 
     worker_id: str
@@ -89,6 +90,7 @@ class WorkerInfo:
     max_batched_tokens: int = 512
     sliding_window: int | None = None
     rank: int | None = None
+    swa_page_events: bool = False
 
 
 class Router(Protocol):

@@ -56,8 +56,13 @@ def test_request_publishes_chained_block_stored_and_a_checkpoint(
         return any(isinstance(e, SwaCheckpointStored) and hashes[-1] in e.block_hashes
                    for e in subscription.kv)
 
+    def with_swa() -> set[int]:
+        return {h for e in subscription.kv if isinstance(e, SwaBlocksStored)
+                for h in e.block_hashes}
+
     subscription.wait_for(lambda: sum(len(e.block_hashes) for e in stored()) >= 3 and
-                          checkpointed(), "BlockStored + SwaCheckpointStored")
+                          checkpointed() and set(hashes) <= with_swa(),
+                          "BlockStored + SwaBlocksStored + SwaCheckpointStored")
     events = stored()
     assert [h for e in events for h in e.block_hashes] == hashes, events
     parents = [None, *hashes]

@@ -47,7 +47,8 @@ def test_hello_is_answered_with_the_workers_geometry(client: Client) -> None:
                               page_size=PAGE, sliding_window=WINDOW, max_context=8192,
                               cost=COST_PRESETS["cpu"],
                               max_batched_tokens=welcome.max_batched_tokens,
-                              events_endpoint=welcome.events_endpoint, replay_endpoint=None)
+                              events_endpoint=welcome.events_endpoint, replay_endpoint=None,
+                              swa_page_events=True)
     assert welcome.max_batched_tokens > 0
 
 

@@ -72,6 +72,18 @@ def test_predicted_pages_have_a_window_where_swa_is_announced_per_page() -> None
     assert index.match(sibling, now_s=5.0) == {}
 
 
+def test_a_worker_that_says_so_in_its_welcome_has_predicted_windows_before_any_event() -> None:
+    """The first burst on a fresh worker (no SwaBlocksStored seen yet): its Welcome said it
+    announces SWA per page (``add_worker(per_page_swa=True)``), so a sibling is credited up to
+    its branch point (the live burst test spread 4/4 when the first pick was a fresh worker)."""
+    index = _index()
+    index.add_worker("fresh", window_pages=2, per_page_swa=True)
+    sibling = CHAIN[:9] + [1, 2, 3]
+    for worker in ("w", "fresh"):
+        index.predict(worker, CHAIN[:12], until_s=5.0, checkpoint_pages=[12])
+    assert index.match(sibling, now_s=0.0) == {"w": MatchResult(9, 0), "fresh": MatchResult(9, 9)}
+
+
 def test_renewed_predictions_outlive_the_first() -> None:
     index = _index()
     index.predict("w", CHAIN[:5], until_s=2.0)
