@@ -57,15 +57,16 @@ from gateway.routing.types import Decision, LoadTracker, RouteRequest, WorkerInf
 DEFAULT_MARGIN_S = 0.5
 DEFAULT_MARGIN_RATIO = 1.5
 DEFAULT_OPTIMISTIC_TTL_S = 5.0
-DEFAULT_WORK_WEIGHT = 12.0
+DEFAULT_WORK_WEIGHT = 8.0
 DEFAULT_PREFIX_AFFINITY = 0.3
 DEFAULT_TIE_STEPS = 1.0
-# NOTE: work_weight 12: once the index saw history SWA (SwaBlocksStored), weighing a choice's own
-# prefill work more kept more hits at no TTFT cost. Replaying conversation_trace.jsonl (8 workers,
-# h200, admission on) at 0.6M tokens of KV each, work_weight 1 / 4 / 8 / 12 / 16 gave hit 29.7 /
-# 30.4 / 30.8 / 31.0 / 31.0 % and TTFT mean 0.578 / 0.576 / 0.574 / 0.574 / 0.577 s; at 1M tokens,
-# 1 -> 12 took hit 31.2 -> 32.3 % and the mean 0.568 -> 0.566 s; the agent workload is unchanged
-# (its turns follow their session). prefix_affinity 0.3 came from the same trace.
+# NOTE: work_weight 8: once the index saw history SWA (SwaBlocksStored), weighing a choice's own
+# prefill work more kept more hits. Replaying conversation_trace.jsonl (8 workers, h200, 0.6M
+# tokens of KV each, admission on), work_weight 1 / 8 / 12 / 16 gave hit 29.7 / 30.7 / 30.9 /
+# 30.9 %, TTFT mean 0.578 / 0.574 / 0.575 / 0.577 s and p99 3.996 / 4.031 / 4.058 / 4.063 s:
+# past 8 the hits no longer pay for the queueing. At 1M tokens a worker, 1 -> 12 took hit
+# 31.2 -> 32.3 % and the mean 0.568 -> 0.566 s; the agent workload is unchanged (its turns
+# follow their session). prefix_affinity 0.3 came from the same trace.
 DEFAULT_MAX_AFFINITY_KEYS = 100_000
 DEFAULT_MAX_BATCHED_TOKENS = 512
 
