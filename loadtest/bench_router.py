@@ -25,7 +25,12 @@ import numpy as np
 
 from engine.cost import H200_COST
 from engine.hashing import page_hashes
-from engine.worker.events import BlockStored, KVEventBatch, SwaCheckpointStored
+from engine.worker.events import (
+    BlockStored,
+    KVEventBatch,
+    SwaBlocksStored,
+    SwaCheckpointStored,
+)
 from gateway.routing.chain import PrefixHasher, routable_hashes
 from gateway.routing.index import KVIndex
 from gateway.routing.registry import make_router
@@ -50,12 +55,14 @@ def _setup(args: argparse.Namespace, rng: np.random.Generator):
 
 
 def _store(index: KVIndex, w: str, seqs: dict[str, int], hashes: list[int], start: int) -> None:
-    """Pages [start, len) stored on ``w``; checkpoints at the end and every PERIODIC_TOKENS."""
+    """Pages [start, len) stored on ``w`` with their SWA (as a worker announces them);
+    checkpoints at the end and every PERIODIC_TOKENS."""
     every = PERIODIC_TOKENS // PAGE
     ends = [hashes[d - 1] for d in range(every, len(hashes) + 1, every) if d > start]
     events = [BlockStored(block_hashes=hashes[start:],
                           parent_block_hash=hashes[start - 1] if start else None,
                           token_ids=[], block_size=PAGE),
+              SwaBlocksStored(block_hashes=hashes[start:], window=WINDOW),
               SwaCheckpointStored(block_hashes=[*ends, hashes[-1]], window=WINDOW)]
     assert index.apply(w, seqs[w], KVEventBatch(ts=0.0, events=events)) is None
     seqs[w] += 1
