@@ -78,6 +78,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 
+from engine.utils import cdiv
 from engine.worker.events import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -396,14 +397,14 @@ class KVIndex:
         elif isinstance(event, BlockRemoved):
             self._num_pages -= sum(map(w.remove, event.block_hashes))
         elif isinstance(event, SwaCheckpointStored):
-            k = w.window_pages = -(-(event.window or 0) // self.page_size)
+            k = w.window_pages = cdiv(event.window or 0, self.page_size)
             for h in event.block_hashes:
                 w.add_ckpt(h, k)
         elif isinstance(event, SwaCheckpointDropped):
             for h in event.block_hashes:
                 w.drop_ckpt(h)
         elif isinstance(event, SwaBlocksStored):
-            w.window_pages = -(-(event.window or 0) // self.page_size)
+            w.window_pages = cdiv(event.window or 0, self.page_size)
             w.per_page_swa = True
             pages = w.pages  # NOTE: a page the cap dropped stays unknown (an under-report)
             w.swa.update(h for h in event.block_hashes if h in pages)

@@ -39,9 +39,9 @@ def match_all(
 
     NOTE: the common cases are inlined (a call per worker is a fair part of a route's CPU), with
     ``match_one``'s probes and results exactly: the worker holds nothing of the query (its first
-    page), or the match ends at the whole query or at the hint with the end page's window live
-    (k = 0, a live checkpoint or a live predicted one there). Anything else (a bisection, a scan
-    for the window) goes to ``match_one`` from scratch.
+    page), or the match ends at the whole query or at the hint with the window at that end live
+    (``_window_live_at_end``, which ``match_one`` asks first too). Anything else (a bisection, a
+    scan for the window) goes to ``match_one`` from scratch.
     """
     out = {}
     n = len(page_hashes)
@@ -64,22 +64,13 @@ def match_all(
                 end = page_hashes[full - 1] if full else 0
             if not (0 < full < n - 1 and end in cached and page_hashes[full] not in cached):
                 full = 0
-        if full:
-            k = w.window_pages
-            if k == 0 or (
-                k is not None and len(w.ckpts.get(end, ())) >= (k if k < full else full)
-            ) or (
-                now_s is not None
-                and (c := w.pred_ckpts.get(end)) is not None
-                and c[0] == full
-                and c[1] > now_s
-            ):
-                w.last_end, w.last_end_hash = full, end
-                if end in pages:
-                    pages.move_to_end(end)  # NOTE: the match end counts as used
-                out[worker_id] = _result(MatchResult, (full, full))
-                hint = full
-                continue
+        if full and _window_live_at_end(w, end, full, now_s):
+            w.last_end, w.last_end_hash = full, end
+            if end in pages:
+                pages.move_to_end(end)  # NOTE: the match end counts as used
+            out[worker_id] = _result(MatchResult, (full, full))
+            hint = full
+            continue
         result = match_one(w, page_hashes, now_s, hint)
         if result.full_pages:
             out[worker_id] = result
@@ -105,14 +96,9 @@ def match_one(
     w.last_end, w.last_end_hash = full, end
     if end in pages:
         pages.move_to_end(end)  # NOTE: the match end counts as used
+    if _window_live_at_end(w, end, full, now_s):
+        return _result(MatchResult, (full, full))
     k = w.window_pages
-    if k == 0:
-        return _result(MatchResult, (full, full))
-    window = w.ckpts.get(end)
-    if k is not None and window is not None and len(window) >= (k if k < full else full):
-        # NOTE: a live checkpoint at the match end: its k pages have live SWA (the engine's
-        # invariant), whatever the index's cap forgot of them
-        return _result(MatchResult, (full, full))
     predicted = 0
     if now_s is not None and w.pred_ckpts:
         predicted = _predicted_usable(w.pred_ckpts, page_hashes, full, now_s)
@@ -124,6 +110,18 @@ def match_one(
         live_pred = pred if w.per_page_swa else None
         usable = _usable_pages(w.cover, w.swa, k, page_hashes, full, live_pred, now_s)
     return _result(MatchResult, (full, max(usable, predicted)))
+
+
+def _window_live_at_end(w: _Worker, end: int, full: int, now_s: float | None) -> bool:
+    """Whether the window before the match end (page ``full - 1``, hash ``end``) is live
+    without a scan: no SWA layers (k = 0), a live checkpoint ends there (its k pages have live
+    SWA, the engine's invariant, whatever the index's cap forgot of them), or a live predicted
+    checkpoint does."""
+    k = w.window_pages
+    if k == 0 or (k is not None and len(w.ckpts.get(end, ())) >= (k if k < full else full)):
+        return True
+    c = w.pred_ckpts.get(end) if now_s is not None else None
+    return c is not None and c[0] == full and c[1] > now_s  # type: ignore[operator]
 
 
 def _predicted_usable(
