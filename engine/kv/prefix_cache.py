@@ -190,6 +190,12 @@ class PrefixCache:
         if not self.enabled:
             self._drop_unpinned(node)
             return
+        if self.has_swa and node.swa_page is None and self._is_deletable(node):
+            # NOTE: a tombstone leaf gives no hit (no window ends at or below it). It happens
+            # when a request's last full page lost its SWA while the request ran (W < page: the
+            # window sat in the partial page); left to LRU, such pages outlived live checkpoints
+            self._delete_leaf(node)
+            return
         self._offer(node)
 
     def mark_checkpoint(
@@ -361,7 +367,7 @@ class PrefixCache:
             parent.num_children -= 1
             if parent.num_children or parent.full_refs or parent.swa_refs:
                 return
-            if parent.swa_page is not None and self.enabled:
+            if self.enabled and (parent.swa_page is not None or not self.has_swa):
                 self._offer(parent)  # a leaf again: evictable by LRU
                 return
             node = parent  # a tombstone leaf (or cache off): useless, delete it too

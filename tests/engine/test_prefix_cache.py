@@ -174,6 +174,16 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if expected:
             assert node.retain_until == (self.now + ttl if ttl else 0.0), node
 
+    @precondition(lambda self: self.cache is not None and self.cache.window < PAGE)
+    @rule(req=requests)
+    def decode_into_partial_page(self, req: _Running) -> None:
+        """The engine's decode once the window (W < page) lies inside the partial page it holds
+        apart: the last full page stays pinned for its full KV, its SWA becomes history."""
+        if req in self.running:
+            for n in req.swa_pinned:
+                self.cache.unpin(n, full=False, swa=True)
+            req.swa_pinned = []
+
     @precondition(lambda self: self.cache is not None)
     @rule(req=requests, depth=st.integers(0, 9))
     def mark_periodic(self, req: _Running, depth: int) -> None:
@@ -255,6 +265,16 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             assert n.retain_until > self.now, f"an expired retention still tracked: {n}"
         assert self.cache.retains_expired >= self.expired
         self.expired = self.cache.retains_expired
+
+    @invariant()
+    def no_unpinned_tombstone_leaf(self) -> None:
+        """A leaf without SWA gives no hit (no window ends at it, nothing below it): keeping it
+        only holds full pages that live checkpoints could use."""
+        if self.cache is None:
+            return
+        for n in self.cache.nodes():
+            assert not (n.swa_page is None and n.num_children == 0 and n.full_refs == 0
+                        and n.swa_refs == 0), f"useless tombstone leaf kept: {n}"
 
     @invariant()
     def checkpoints_have_live_windows(self) -> None:
@@ -388,3 +408,49 @@ def test_retention_gives_way_before_a_request_would_fail() -> None:
     assert cache.evict(0, 4), "all 6 chunks are evictable, so 4 SWA pages must be obtainable"
     assert cache.lookup(other.hashes[0]) is None, "unretained pages go first"
     assert cache.allocator.can_allocate(0, 4)
+
+
+def test_a_finished_request_whose_last_window_was_dropped_leaves_no_dead_pages() -> None:
+    """Decode past a page end with W < page: the last full page's SWA is history while the
+    request runs, pressure drops it, and the finish can mark no checkpoint there. That page (and
+    the tombstones above it) give no hit any more, so they go at once, not by LRU after live
+    checkpoints (the replay found ~9 % of a worker's full pages held this way)."""
+    cache = _make_cache(window=1, num_chunks=64)  # k = 1
+    driver = _Driver(cache, {})
+    kept = _run(cache, _seq(1, 2))  # another request's checkpoint: must stay
+    req = driver.start(_seq(2, 3))
+    driver.compute(req, 3)
+    for n in req.swa_pinned:  # the window moved into the partial page
+        cache.unpin(n, full=False, swa=True)
+    req.swa_pinned = []
+    assert cache.drop_history() == 3 + 1  # req's three pages and kept's first one
+    assert all(n.swa_page is None for n in req.path)
+    used_before, path = cache.allocator.num_used_pages(PageKind.FULL), list(req.path)
+    driver.finish(req, checkpoint=True)  # no window at the end: no checkpoint
+    assert all(not n.alive for n in path), "dead full pages kept"
+    assert cache.allocator.num_used_pages(PageKind.FULL) == used_before - 3
+    removed = [e.page_hash for e in cache.events if e.kind == "removed"]
+    assert sorted(removed) == sorted(n.page_hash for n in path), "each removal announced"
+    m = cache.match(kept.hashes, max_tokens=2 * PAGE + 1)
+    assert m.usable_tokens == 2 * PAGE, "the other request's checkpoint is untouched"
+
+
+def test_without_swa_layers_eviction_takes_one_page_at_a_time() -> None:
+    """A model with full attention only has no tombstones: every cached page is a resume point,
+    so evicting a leaf must leave its parent (the whole unshared chain went at once before)."""
+    layout = KVLayout(page_size=PAGE, dtype_bytes=1, full_layer_ids=(0,), swa_layer_ids=(),
+                      full_head_dims=(1, 2, 2), swa_head_dims=(2, 2, 2), window=PAGE)
+    cache = PrefixCache(PageAllocator(layout, 64 * layout.chunk_bytes))
+    assert not cache.has_swa
+    hashes, path = _hashes(_seq(1, 5)), []
+    for h in hashes:
+        parent = path[-1] if path else None
+        path.append(cache.insert(parent, h, cache.allocator.allocate(PageKind.FULL, 1)[0], None))
+        if parent is not None:
+            cache.unpin(parent, full=True, swa=False)
+    cache.unpin(path[-1], full=True, swa=False)
+    assert cache.match(hashes, max_tokens=100).usable_tokens == 5 * PAGE
+    for left in (4, 3):
+        assert cache._evict_one()
+        assert cache.num_nodes == left
+        assert cache.match(hashes, max_tokens=100).usable_tokens == left * PAGE
