@@ -28,8 +28,9 @@ if TYPE_CHECKING:
 # (msgspec skips unknown fields), so the handshake must refuse the pair. 3 added
 # SamplingSpec.repetition_penalty / logit_bias (same reason) and the worker's instance_id. 4 added
 # Retain (a version-3 worker would answer it "bad_message") and Welcome's cost model, step token
-# budget and event endpoints, which the router needs.
-PROTOCOL_VERSION = 4
+# budget and event endpoints, which the router needs. 5 added Replies (a version-4 gateway would
+# drop them as undecodable).
+PROTOCOL_VERSION = 5
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 ErrorCode = Literal[
@@ -270,7 +271,15 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True, kw_only=True):
     retains_expired: int = 0
 
 
-WorkerMsg = Welcome | TokenDelta | Finished | ErrorReply | LoadReport
+class Replies(msgspec.Struct, tag="replies", frozen=True, kw_only=True):
+    """Several request replies for one client in one message, in the order they were made: what
+    one engine step produced for that client's requests (the worker sends a reply alone when it
+    is the only one). Receivers handle ``items`` as if each had come on its own."""
+
+    items: list[TokenDelta | Finished | ErrorReply]
+
+
+WorkerMsg = Welcome | TokenDelta | Finished | ErrorReply | LoadReport | Replies
 
 _ENCODER = msgspec.msgpack.Encoder()
 _CLIENT_DECODER = msgspec.msgpack.Decoder(ClientMsg)
@@ -298,6 +307,13 @@ def decode_worker(data: bytes) -> WorkerMsg:
         ProtocolError: ``data`` is not a ``WorkerMsg``; the message names the offending field.
     """
     return _decode(_WORKER_DECODER, data, "worker")
+
+
+def decode_worker_items(data: bytes) -> list[WorkerMsg]:
+    """Decode a worker -> gateway message into the replies it carries, in order (a ``Replies``
+    unpacked, anything else alone). Raises ``ProtocolError`` as ``decode_worker``."""
+    msg = decode_worker(data)
+    return list(msg.items) if type(msg) is Replies else [msg]
 
 
 def _decode(decoder: msgspec.msgpack.Decoder[Any], data: bytes, direction: str) -> Any:

@@ -1,7 +1,15 @@
 """``RequestStream``: the reply queue of one request in flight on a ``WorkerClient``, with the
-two timeouts (first token, next token) and the bound on unread deltas (a slow consumer)."""
+two timeouts (first token, next token) and the bound on unread deltas (a slow consumer).
+
+Coalescing: ``next`` hands out every ``TokenDelta`` queued since the consumer last read as ONE
+delta (token ids, logprobs and top logprobs concatenated in order). A consumer that keeps up sees
+the worker's deltas one by one; one that fell behind (many streams on one event loop, a worker
+that produced several steps since) catches up in one pass through the layers above (stop
+strings, detokenizing, tool-call parsing, one SSE write) instead of one pass per token.
+"""
 
 import asyncio
+from collections import deque
 
 from engine.protocol import ErrorReply, Finished, TokenDelta
 from gateway.dispatch_errors import DispatchError, DispatchTimeout, StreamOverflow
@@ -13,35 +21,106 @@ class RequestStream:
     """What the client's reader delivers to one request (``deliver``) and its generator reads
     (``next``). ``started``: a delta came; ``overflowed``: the consumer fell too far behind."""
 
+    __slots__ = ("request_id", "started", "overflowed", "_items", "_num_deltas", "_waiter",
+                 "_deadline", "_timer")
+
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self.queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self.started = False
         self.overflowed = False
+        self._items: deque[StreamEvent] = deque()
+        self._num_deltas = 0  # unread TokenDelta messages
+        self._waiter: asyncio.Future[bool] | None = None  # result: False = timed out
+        self._deadline = 0.0  # loop time the current wait gives up at
+        self._timer: asyncio.TimerHandle | None = None
 
     def deliver(self, msg: TokenDelta | Finished | ErrorReply, max_pending: int) -> None:
         """Queue a reply; past ``max_pending`` unread deltas queue a ``StreamOverflow`` instead
         and drop the rest (the generator's ``finally`` aborts the request)."""
         if self.overflowed:
             return
-        if isinstance(msg, TokenDelta):
+        if type(msg) is TokenDelta:
             self.started = True
-            if self.queue.qsize() >= max_pending:
+            if self._num_deltas >= max_pending:
                 self.overflowed = True
-                self.queue.put_nowait(
-                    StreamOverflow(f"{msg.request_id}: over {max_pending} unread"))
+                self.fail(StreamOverflow(f"{msg.request_id}: over {max_pending} unread"))
                 return
-        self.queue.put_nowait(msg)
+            self._num_deltas += 1
+        self._put(msg)
+
+    def fail(self, error: DispatchError) -> None:
+        """Queue an error that ends the stream (after what is already queued)."""
+        self._put(error)
 
     async def next(self, first_s: float, idle_s: float, worker: str) -> StreamEvent:
-        """The next event, or a ``DispatchTimeout`` (returned, not raised) when none came in
-        ``first_s`` (before the first delta) or ``idle_s`` (after it)."""
-        timeout_s, what = (idle_s, "next") if self.started else (first_s, "first")
-        if not self.queue.empty():  # NOTE: no timer when the item is already here
-            return self.queue.get_nowait()
-        try:
-            async with asyncio.timeout(timeout_s):  # NOTE: wait_for would start a Task per item
-                return await self.queue.get()
-        except TimeoutError:
-            return DispatchTimeout(
-                f"{self.request_id}: no {what} token from {worker} in {timeout_s} s")
+        """The next event (queued deltas merged into one), or a ``DispatchTimeout`` (returned,
+        not raised) when none came in ``first_s`` (before the first delta) or ``idle_s``
+        (after it)."""
+        items = self._items
+        if not items:  # NOTE: no timer when the item is already here
+            timeout_s, what = (idle_s, "next") if self.started else (first_s, "first")
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            self._deadline = loop.time() + timeout_s
+            # NOTE: one timer per stream, re-armed only when it fires early (a timer per wait
+            # cost more than the rest of a token's way through the gateway)
+            if self._timer is None:
+                self._timer = loop.call_at(self._deadline, self._expire)
+            try:
+                arrived = await waiter
+            finally:
+                self._waiter = None
+            if not arrived:
+                return DispatchTimeout(
+                    f"{self.request_id}: no {what} token from {worker} in {timeout_s} s")
+        item = items.popleft()
+        if type(item) is not TokenDelta:
+            return item
+        self._num_deltas -= 1
+        if not items or type(items[0]) is not TokenDelta:
+            return item
+        run = [item]
+        while items and type(items[0]) is TokenDelta and _same_shape(item, items[0]):
+            run.append(items.popleft())  # type: ignore[arg-type]
+        self._num_deltas -= len(run) - 1
+        return merge_deltas(run) if len(run) > 1 else item
+
+    def close(self) -> None:
+        """Stop the timer (the stream is no longer read)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _put(self, event: StreamEvent) -> None:
+        self._items.append(event)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(True)
+
+    def _expire(self) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # NOTE: nobody waits: the next wait arms a timer again
+        loop = waiter.get_loop()
+        if loop.time() >= self._deadline:
+            waiter.set_result(False)
+        else:
+            self._timer = loop.call_at(self._deadline, self._expire)
+
+
+def _same_shape(a: TokenDelta, b: TokenDelta) -> bool:
+    """Whether two deltas carry the same optional fields (merging keeps them aligned)."""
+    return (a.logprobs is None) == (b.logprobs is None) and \
+        (a.top_logprobs is None) == (b.top_logprobs is None)
+
+
+def merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
+    """Consecutive deltas of one request (same optional fields) as one, in order."""
+    first = deltas[0]
+    ids = [t for d in deltas for t in d.token_ids]
+    logprobs = None if first.logprobs is None else [x for d in deltas for x in d.logprobs or ()]
+    top = None if first.top_logprobs is None else \
+        [x for d in deltas for x in d.top_logprobs or ()]
+    return TokenDelta(request_id=first.request_id, token_ids=ids, logprobs=logprobs,
+                      top_logprobs=top, cached_tokens=sum(d.cached_tokens for d in deltas))

@@ -50,6 +50,7 @@ from engine.protocol import (
     Hello,
     LoadReport,
     ProtocolError,
+    Replies,
     Retain,
     TokenDelta,
     Welcome,
@@ -66,6 +67,7 @@ from gateway.dispatch_errors import (
 )
 from gateway.request_stream import RequestStream
 
+_NOBLOCK, _POLLIN = int(zmq.NOBLOCK), int(zmq.POLLIN)
 logger = logging.getLogger(__name__)
 
 StreamItem = TokenDelta | Finished
@@ -242,6 +244,7 @@ class WorkerClient:
                     raise WorkerError(item.code, item.message)
                 raise item
         finally:
+            stream.close()
             if self._streams.get(rid) is stream:  # NOTE: _fail_all may have removed it
                 del self._streams[rid]
             if not ended and self.is_alive and self._sock is not None:
@@ -305,8 +308,16 @@ class WorkerClient:
         NOTE: the FD is edge-triggered: reading ``EVENTS`` re-arms it, so read until POLLIN is off.
         """
         sock = self._sock
-        while sock is not None and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._on_message(sock.recv(zmq.NOBLOCK))
+        # NOTE: recv until EAGAIN, then one EVENTS read (re-arms the FD); the flags as ints: an
+        # EVENTS read and a Flag-enum test per message cost more than the message's decode
+        while sock is not None:
+            try:
+                data = sock.recv(_NOBLOCK)
+            except zmq.Again:
+                if not int(sock.getsockopt(zmq.EVENTS)) & _POLLIN:
+                    return
+                continue
+            self._on_message(data)
             sock = self._sock  # NOTE: routing may have closed it
 
     def _on_message(self, data: bytes) -> None:
@@ -319,7 +330,10 @@ class WorkerClient:
         self._route(msg)
 
     def _route(self, msg: object) -> None:
-        if type(msg) is TokenDelta:  # NOTE: the common case first
+        if type(msg) is Replies:  # NOTE: the common cases first: a step's replies, one delta
+            for item in msg.items:
+                self._route(item)
+        elif type(msg) is TokenDelta:
             if (stream := self._streams.get(msg.request_id)) is not None:
                 stream.deliver(msg, self.max_pending_deltas)
         elif isinstance(msg, LoadReport):
@@ -436,7 +450,7 @@ class WorkerClient:
     def _fail_all(self, error: Callable[[RequestStream], DispatchError]) -> list[str]:
         failed = list(self._streams)
         for stream in self._streams.values():
-            stream.queue.put_nowait(error(stream))
+            stream.fail(error(stream))
         self._streams.clear()  # NOTE: late replies to these requests are dropped
         for waiter in self._load_waiters:
             if waiter is not None and not waiter.done():

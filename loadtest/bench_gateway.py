@@ -17,11 +17,23 @@ prompt would cost instead (measured in this process: the tokens-once saving); th
 CPU us per request (it shares the cores).
 
     python loadtest/bench_gateway.py [--sizes 2k,20k] [--concurrency 1,16,64] [--duration S]
-                                     [--quick]
+                                     [--stream-concurrency 16,64] [--stream-tokens N]
+                                     [--no-plain] [--no-stream] [--quick]
+
+Streaming cells (after the non-streamed ones): ``c`` concurrent clients each running one streamed
+chat completion after another (a short unique prompt, ``--stream-tokens`` output tokens,
+``stream_options.include_usage``), through two gateways: one over a worker that steps as fast as
+it can (``zero`` cost: tokens pile up and the gateway coalesces them, several per chunk) and one
+over a worker paced like an H200 (``h200`` cost, ~20-40 ms a step: one token per stream per
+step, so nearly every chunk carries one token, the case that costs the most per token). Per
+cell: content chunks and tokens per second, tokens per chunk, and the gateway's CPU per chunk and
+per token above its own idle CPU (measured before the cells: heartbeats, the KV event
+subscriber).
 """
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -33,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -66,11 +78,141 @@ def main() -> None:
          worker.listen, "--port", str(port), "--served-model-name", "bench"],
         stderr=subprocess.DEVNULL)
     try:
-        asyncio.run(_bench(args, tokenizer, worker, gateway.pid, port))
+        if args.plain:
+            asyncio.run(_bench(args, tokenizer, worker, gateway.pid, port))
+        if args.sessions:
+            asyncio.run(_session_cells(args, gateway.pid, port))
+        if args.stream:
+            print(f"\n{STREAM_HEADER}\n{'-' * len(STREAM_HEADER)}")
+            asyncio.run(_stream_cells(args, "zero", gateway.pid, port))
+            with _gateway_over(model_dir, "h200") as (paced_pid, paced_port):
+                asyncio.run(_stream_cells(args, "h200", paced_pid, paced_port))
+            print(f"\ntarget (issue 10): <= {STREAM_TARGET_US} us of gateway CPU per chunk at 16 "
+                  "and 64 streams")
     finally:
         gateway.terminate()
         gateway.wait(10)
         worker.stop()
+
+
+@contextlib.contextmanager
+def _gateway_over(model_dir: Path, cost: str) -> Iterator[tuple[int, int]]:
+    """A sim worker with ``cost`` and a gateway over it: (gateway pid, port)."""
+    worker = spawn_worker(model_dir=model_dir, backend="sim", worker_id=f"bench-{cost}",
+                          extra_args=["--cost", cost, "--max-batched-tokens", "32768"])
+    port = _free_port()
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir), "--worker",
+         worker.listen, "--port", str(port), "--served-model-name", "bench"],
+        stderr=subprocess.DEVNULL)
+    try:
+        yield gateway.pid, port
+    finally:
+        gateway.terminate()
+        gateway.wait(10)
+        worker.stop()
+
+
+async def _session_cells(args: argparse.Namespace, pid: int, port: int) -> None:
+    """Sessions API turns: the same conversations as the plain cells, but each client creates a
+    session (the system prompt) and sends only each turn's new user message; gateway CPU per
+    turn (the worker's time is not the gateway's: a zero-cost worker's is ~0)."""
+    print(f"\n{SESSION_HEADER}\n{'-' * len(SESSION_HEADER)}")
+    await _wait_ready(port)
+    for size_name in args.sizes:
+        convo = _conversation(SIZES[size_name])
+        await _run_mode(_session_turns(port, convo), 4, 1.0)  # NOTE: warm-up
+        for c in args.concurrency:
+            cpu0 = _cpu_s(pid)
+            got = await _run_mode(_session_turns(port, convo), c, args.duration, pid)
+            cpu_us = (_cpu_s(pid) - cpu0) / max(got["n"], 1) * 1e6
+            print(f"{size_name:>4} {c:>4} | {got['rps']:8.0f} | {cpu_us:7.0f}us | "
+                  f"{got['p50']:6.2f}ms {got['p99']:7.2f}ms | {got['rss_max']:5.0f}", flush=True)
+    print(f"target (issue 10): <= {SESSION_TARGET_US} us of gateway CPU per turn above the "
+          "worker's own time")
+
+
+def _session_turns(port: int, convo: tuple[str, list[str]]) -> Session:
+    async def session(deadline: float, latencies: list[float]) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        while time.perf_counter() < deadline:
+            n = next(_session_ids)
+            body = _JSON.encode({"system": convo[0]})
+            status, reply = await _post(reader, writer, "/v1/sessions", body)
+            assert status == 200, reply[:300]
+            sid = msgspec.json.decode(reply)["id"]
+            for turn, user in enumerate(convo[1]):
+                unique = f"Session {n}.\n" if turn == 0 else ""
+                body = _JSON.encode({"messages": [{"role": "user", "content": unique + user}],
+                                     "max_tokens": MAX_TOKENS})
+                start = time.perf_counter()
+                status, reply = await _post(reader, writer, f"/v1/sessions/{sid}/turns", body)
+                latencies.append(time.perf_counter() - start)
+                assert status == 200, reply[:300]
+            await _request(reader, writer, "DELETE", f"/v1/sessions/{sid}")
+        writer.close()
+
+    return session
+
+
+async def _stream_cells(args: argparse.Namespace, cost: str, pid: int, port: int) -> None:
+    await _wait_ready(port)
+    await _run_streams(port, 4, 1.0, args.stream_tokens)  # NOTE: warm-up
+    idle0 = _cpu_s(pid)
+    await asyncio.sleep(IDLE_S)
+    idle_cpu_per_s = (_cpu_s(pid) - idle0) / IDLE_S
+    for c in args.stream_concurrency:
+        rss0, cpu0, t0 = _rss_mb(pid), _cpu_s(pid), time.perf_counter()
+        got = await _run_streams(port, c, args.duration, args.stream_tokens)
+        elapsed_s = time.perf_counter() - t0
+        cpu_s = max(0.0, _cpu_s(pid) - cpu0 - idle_cpu_per_s * elapsed_s)
+        chunks, tokens = max(got["chunks"], 1), max(got["tokens"], 1)
+        print(f"{cost:>5} {c:>4} | {got['requests'] / elapsed_s:6.1f} {chunks / elapsed_s:7.0f} "
+              f"{tokens / elapsed_s:7.0f} {tokens / chunks:6.2f} | {cpu_s / chunks * 1e6:6.1f}us "
+              f"{cpu_s / tokens * 1e6:6.1f}us {idle_cpu_per_s * 1e3:5.1f}ms/s | "
+              f"{rss0:5.0f}/{_rss_mb(pid):5.0f}", flush=True)
+
+
+async def _run_streams(port: int, concurrency: int, duration_s: float,
+                       max_tokens: int) -> dict[str, int]:
+    got = {"requests": 0, "chunks": 0, "tokens": 0}
+    deadline = time.perf_counter() + duration_s
+
+    async def client() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        while time.perf_counter() < deadline:
+            n = next(_session_ids)
+            body = _JSON.encode({
+                "model": "bench", "stream": True, "max_tokens": max_tokens,
+                "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": f"Stream {n}: tell a long story."}]})
+            chunks, tokens = await _post_stream(reader, writer, body)
+            got["requests"] += 1
+            got["chunks"] += chunks
+            got["tokens"] += tokens
+        writer.close()
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return got
+
+
+async def _post_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                       body: bytes) -> tuple[int, int]:
+    """One streamed chat completion: (content chunks, completion tokens from the usage)."""
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                 % (len(body), body))
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head[9:12] == b"200" and b"chunked" in head.lower(), head[:200]
+    data = bytearray()
+    while size := int(await reader.readuntil(b"\r\n"), 16):
+        data += (await reader.readexactly(size + 2))[:-2]
+    await reader.readexactly(2)  # NOTE: the last chunk's CRLF
+    events = bytes(data).split(b"\n\n")
+    chunks = sum(1 for e in events if e.startswith(b'data: {') and b'"content":' in e)
+    usage = next(msgspec.json.decode(e[6:]) for e in events
+                 if e.startswith(b'data: {') and b'"choices":[]' in e)
+    return chunks, usage["usage"]["completion_tokens"]
 
 
 async def _bench(args: argparse.Namespace, tok: Tokenizer, worker: WorkerProcess, pid: int,
@@ -174,9 +316,14 @@ def _direct_session(
 async def _post(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path: str,
                 body: bytes) -> tuple[int, bytes]:
     """One HTTP/1.1 keep-alive request; a raw client spends less CPU than httpx."""
-    method = b"POST" if body else b"GET"
+    return await _request(reader, writer, "POST" if body else "GET", path, body)
+
+
+async def _request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, method: str,
+                   path: str, body: bytes = b"") -> tuple[int, bytes]:
     writer.write(b"%s %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (method, path.encode(), len(body), body))
+                 b"Content-Length: %d\r\n\r\n%s"
+                 % (method.encode(), path.encode(), len(body), body))
     head = await reader.readuntil(b"\r\n\r\n")
     length = int(re.search(rb"(?i)content-length: *(\d+)", head)[1])  # type: ignore[index]
     return int(head[9:12]), await reader.readexactly(length)
@@ -236,6 +383,15 @@ def _messages(convo: tuple[str, list[str]], turn: int, reply: str) -> list[dict[
 
 
 def _cpu_s(pid: int) -> float:
+    """The process's CPU seconds: its live threads' ``schedstat`` (ns) where readable, else
+    utime + stime from ``stat`` (clock ticks, 10 ms: too coarse for idle rates)."""
+    total, found = 0, False
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            total += int((task / "schedstat").read_text().split()[0])
+            found = True
+    if found:
+        return total / 1e9
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) * _TICK_S  # NOTE: utime, stime (fields 14, 15)
 
@@ -261,6 +417,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+STREAM_TARGET_US, SESSION_TARGET_US, IDLE_S = 40, 150, 3.0
+SESSION_HEADER = (f"{'size':>4} {'conc':>4} | {'turns/s':>8} | {'gw CPU':>9} | {'p50':>8} "
+                  f"{'p99':>9} | {'RSS max':>5}")
+STREAM_HEADER = (f"{'cost':>5} {'conc':>4} | {'req/s':>6} {'chunk/s':>7} {'tok/s':>7} "
+                 f"{'tok/ch':>6} | {'CPU/chunk':>8} {'CPU/tok':>8} {'idle':>9} | "
+                 f"{'RSS MB':>11}")
 HEADER = (f"{'size':>4} {'conc':>4} | {'req/s gw':>8} {'direct':>7} | {'gw CPU':>7} "
           f"{'prompt':>7} {'full':>7} | "
           f"{'p50 gw':>7} {'direct':>7} {'added':>6} | {'p99 gw':>7} {'direct':>7} "
@@ -296,6 +458,15 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", default="1,16,64",
                         type=lambda s: [int(c) for c in s.split(",")])
     parser.add_argument("--duration", type=float, default=12.0, help="seconds per cell and mode")
+    parser.add_argument("--stream-concurrency", default="16,64",
+                        type=lambda s: [int(c) for c in s.split(",")])
+    parser.add_argument("--stream-tokens", type=int, default=256, help="output tokens a stream")
+    parser.add_argument("--no-plain", dest="plain", action="store_false",
+                        help="skip the non-streamed cells")
+    parser.add_argument("--no-stream", dest="stream", action="store_false",
+                        help="skip the streaming cells")
+    parser.add_argument("--no-sessions", dest="sessions", action="store_false",
+                        help="skip the Sessions API cells")
     parser.add_argument("--quick", action="store_true", help="--duration 3")
     args = parser.parse_args()
     if args.quick:

@@ -20,7 +20,15 @@ from pathlib import Path
 import zmq
 
 from engine.models.checkpoint import DEMO_CONFIG
-from engine.protocol import Generate, GetLoad, LoadReport, SamplingSpec, decode_worker, encode
+from engine.protocol import (
+    Generate,
+    GetLoad,
+    LoadReport,
+    SamplingSpec,
+    decode_worker,
+    decode_worker_items,
+    encode,
+)
 from engine.sampling_params import StructuredSpec
 from gateway.serve import spawn_worker
 from gateway.tokenizer import write_demo_tokenizer
@@ -60,9 +68,9 @@ def probe_grammar(endpoint: str, num_properties: int) -> str:
         beats.append(load(beat)[0])
         for sock in (slow, other):
             while sock.poll(0):
-                msg = decode_worker(sock.recv())
-                if type(msg).__name__ in ("Finished", "ErrorReply"):
-                    ended[msg.request_id] = getattr(msg, "code", None) or msg.finish_reason
+                for msg in decode_worker_items(sock.recv()):
+                    if type(msg).__name__ in ("Finished", "ErrorReply"):
+                        ended[msg.request_id] = getattr(msg, "code", None) or msg.finish_reason
         time.sleep(0.2)
     plain = sum(ended.get(f"plain-{i}") == "length" for i in range(5))
     return (f"schema {len(schema) // 1000} kB -> {ended.get('huge')} after "

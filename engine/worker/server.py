@@ -78,7 +78,9 @@ from engine.protocol import (
     Hello,
     LoadReport,
     ProtocolError,
+    Replies,
     Retain,
+    TokenDelta,
     Welcome,
     WorkerMsg,
     decode_client,
@@ -94,6 +96,7 @@ from engine.worker.publisher import KVEventBuffer, RequestStream, WorkerPublishe
 
 __all__ = ["COSTS", "Worker", "WorkerConfig"]  # NOTE: the config lives in engine.worker.config
 
+_BATCHED = (TokenDelta, Finished, ErrorReply)  # request replies: one Replies per client a step
 logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +137,8 @@ class Worker:
         self._clients = ClientWatch(cfg.client_timeout_s)
         self._ids = itertools.count()
         self._held: _HeldStep | None = None
+        # NOTE: while _emit runs, client identity -> the replies it collects (None otherwise)
+        self._batch: dict[bytes, list[TokenDelta | Finished | ErrorReply]] | None = None
         self._stopping = False
         self._last_load = 0.0
         self._stepped = False
@@ -394,15 +399,22 @@ class Worker:
             self._emit(seqs)
 
     def _emit(self, seqs: list[Sequence]) -> None:
+        """Send a step's deltas and ends: one message per client (``Replies`` when several)."""
         now_s = time.monotonic()
-        for seq in seqs:
-            req = self._requests.get(seq.request_id)
-            if req is None:
-                continue  # aborted while its step was held
-            if seq.is_finished:
-                self._finish(req)
-            elif req.is_due(now_s):
-                self._send_delta(req)
+        self._batch = batch = {}
+        try:
+            for seq in seqs:
+                req = self._requests.get(seq.request_id)
+                if req is None:
+                    continue  # aborted while its step was held
+                if seq.is_finished:
+                    self._finish(req)
+                elif req.is_due(now_s):
+                    self._send_delta(req)
+        finally:
+            self._batch = None
+            for identity, items in batch.items():
+                self._reply(identity, items[0] if len(items) == 1 else Replies(items=items))
 
     def _send_delta(self, req: RequestStream) -> None:
         delta = req.next_delta()
@@ -453,6 +465,10 @@ class Worker:
     # ------------------------------------------------------------------ replies and events
 
     def _reply(self, identity: bytes, msg: WorkerMsg) -> None:
+        batch = self._batch
+        if batch is not None and type(msg) in _BATCHED:
+            batch.setdefault(identity, []).append(msg)  # NOTE: sent at the end of _emit
+            return
         # NOTE: ROUTER drops (never blocks on) messages for a gone or too slow client
         try:
             self._router.send_multipart([identity, encode(msg)], zmq.NOBLOCK)

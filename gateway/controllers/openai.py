@@ -24,10 +24,9 @@ import jinja2
 import msgspec
 from litestar import Controller, Request, Response, get, post
 from litestar.params import FromPath
-from litestar.response import ServerSentEvent
-from litestar.response.sse import ServerSentEventMessage
 
 from engine.protocol import Finished, TokenDelta
+from gateway import sse
 from gateway.affinity_keys import affinity_key
 from gateway.disconnect import until_disconnect
 from gateway.dispatch import DispatchError
@@ -110,7 +109,7 @@ class CompletionsController(Controller):
         salt = cache_salt(tenant_of(request))
         head, started = await _start(request, model, req, list(prompt), "prompt", salt)
         if req.stream:
-            return ServerSentEvent(_completion_sse(head, req, started, model))
+            return sse.response(_completion_sse(head, req, started, model))
         return Response(await _completion(head, req, started, model))
 
 
@@ -135,7 +134,7 @@ class ChatCompletionsController(Controller):
             if req.continuous_usage:
                 started = _counting(started, len(input_ids))
             watch = functools.partial(watch_stream, request.app.state.dispatcher, head.id, salt)
-            return ServerSentEvent(_chat_sse(head, req, started, model, opts, watch))
+            return sse.response(_chat_sse(head, req, started, model, opts, watch))
         result = await chat_result(started, model, opts)
         answered(request.app.state.dispatcher, head.id, salt, result.message.tool_calls,
                  result.finish_reason, result.usage)
@@ -293,16 +292,8 @@ def _chat_prompt(req: ChatCompletionRequest, model: ModelState, salt: str | None
         raise RequestError(f"messages could not be rendered: {exc}", param="messages") from None
 
 
-def _event(data: str) -> ServerSentEventMessage:
-    return ServerSentEventMessage(data=data, sep="\n")
-
-
-def _encode_event(body: msgspec.Struct) -> ServerSentEventMessage:
-    return _event(_JSON.encode(body).decode())
-
-
-def _error_event(exc: DispatchError) -> ServerSentEventMessage:
-    return _encode_event(error_body(str(exc), type="server_error"))
+def _error_event(exc: DispatchError) -> bytes:
+    return sse.json_event(error_body(str(exc), type="server_error"))
 
 
 def _chunk(
@@ -311,9 +302,9 @@ def _chunk(
     reason: Any = None,
     logprobs: ChoiceLogprobs | None = None,
     usage: Usage | msgspec.UnsetType = msgspec.UNSET,
-) -> ServerSentEventMessage:
+) -> bytes:
     choice = ChunkChoice(index=0, delta=delta, finish_reason=reason, logprobs=logprobs)
-    return _encode_event(ChatCompletionChunk(
+    return sse.json_event(ChatCompletionChunk(
         id=head.id, model=head.model, created=head.created, choices=[choice], usage=usage
     ))
 
@@ -325,10 +316,13 @@ async def _chat_sse(
     model: ModelState,
     opts: OutputOptions,
     watch: Callable[[AsyncIterator[Any]], AsyncIterator[Any]],
-) -> AsyncIterator[ServerSentEventMessage]:
+) -> AsyncIterator[bytes]:
     """The SSE body; leaving it early (the client went away) aborts the worker request.
     ``watch`` passes the events through (``tool_pauses.watch_stream``: tool-pause retention)."""
     events = watch(chat_deltas(started, model, opts))
+    # NOTE: a content-only delta (the common one) from bytes made once (gateway.sse)
+    fast = None if isinstance(started, _CountingStarted) else \
+        sse.ContentChunks(head.id, head.model, head.created)
 
     def usage() -> Usage | msgspec.UnsetType:
         return started.usage() if isinstance(started, _CountingStarted) else msgspec.UNSET
@@ -338,11 +332,17 @@ async def _chat_sse(
         async for event in events:
             logprobs = None if event.logprobs is None else ChoiceLogprobs(content=event.logprobs)
             if isinstance(event, ChatDelta):
-                yield _chunk(head, event.delta, logprobs=logprobs, usage=usage())
+                delta = event.delta
+                if fast is not None and logprobs is None and delta.role is None \
+                        and delta.tool_calls is None and delta.content is not None \
+                        and (chunk := fast.encode(delta.content)) is not None:
+                    yield chunk
+                    continue
+                yield _chunk(head, delta, logprobs=logprobs, usage=usage())
                 continue
             yield _chunk(head, ChunkDelta(), event.finish_reason, logprobs, usage=usage())
             if req.include_usage:
-                yield _encode_event(ChatCompletionChunk(
+                yield sse.json_event(ChatCompletionChunk(
                     id=head.id, model=head.model, created=head.created, choices=[],
                     usage=event.usage,
                 ))
@@ -350,7 +350,7 @@ async def _chat_sse(
         yield _error_event(exc)
     finally:
         await events.aclose()
-    yield _event("[DONE]")
+    yield sse.DONE
 
 
 async def _completion(
@@ -375,13 +375,13 @@ async def _completion(
 
 async def _completion_sse(
     head: _Head, req: CompletionRequest, started: Started, model: ModelState
-) -> AsyncIterator[ServerSentEventMessage]:
+) -> AsyncIterator[bytes]:
     stream = pieces(started, model, req.stop_strings)
     texts = _CompletionLogprobs(model, req.logprobs)
 
-    def event(text: str, reason: Any = None, **extra: Any) -> ServerSentEventMessage:
+    def event(text: str, reason: Any = None, **extra: Any) -> bytes:
         choice = CompletionChoice(index=0, text=text, finish_reason=reason, logprobs=texts.take())
-        return _encode_event(Completion(
+        return sse.json_event(Completion(
             id=head.id, model=head.model, created=head.created, choices=[choice], **extra
         ))
 
@@ -398,7 +398,7 @@ async def _completion_sse(
         yield _error_event(exc)
     finally:
         await stream.aclose()
-    yield _event("[DONE]")
+    yield sse.DONE
 
 
 class _CompletionLogprobs:

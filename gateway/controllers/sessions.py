@@ -44,9 +44,8 @@ from litestar import Controller, Request, Response, WebSocket, delete, get, post
 from litestar.di import NamedDependency
 from litestar.exceptions import WebSocketDisconnect
 from litestar.params import FromPath
-from litestar.response import ServerSentEvent
-from litestar.response.sse import ServerSentEventMessage
 
+from gateway import sse
 from gateway.controllers.openai import check_model
 from gateway.disconnect import until_disconnect
 from gateway.dispatch import Dispatcher, DispatchError
@@ -178,7 +177,7 @@ class SessionsController(Controller):
         )
         await _start(turn)
         if req.stream:
-            return ServerSentEvent(_turn_sse(turn))
+            return sse.response(_turn_sse(turn))
         # NOTE: a non-streamed turn is awaited to its end: only a watch on receive() sees the
         # client leave (then the turn is cancelled, recorded as such, and its lease released)
         return Response(await until_disconnect(request, _run_to_end(turn)))
@@ -360,7 +359,7 @@ async def _run_to_end(turn: Turn) -> TurnEnd:
     return end
 
 
-async def _turn_sse(turn: Turn) -> AsyncIterator[ServerSentEventMessage]:
+async def _turn_sse(turn: Turn) -> AsyncIterator[bytes]:
     """The SSE body; leaving it early (the client went away) records a cancelled turn."""
     error: DispatchError | SessionError | None = None
     try:
@@ -383,8 +382,8 @@ async def _turn_sse(turn: Turn) -> AsyncIterator[ServerSentEventMessage]:
     yield _event(end)
 
 
-def _event(frame: ServerFrame) -> ServerSentEventMessage:
-    return ServerSentEventMessage(data=_JSON.encode(frame).decode(), sep="\n")
+def _event(frame: ServerFrame) -> bytes:
+    return sse.json_event(frame)
 
 
 def _page_params(request: Request[Any, Any, Any]) -> tuple[int, str | None]:

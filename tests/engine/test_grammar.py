@@ -29,7 +29,7 @@ from engine.protocol import (
     Generate,
     SamplingSpec,
     TokenDelta,
-    decode_worker,
+    decode_worker_items,
     encode,
 )
 from engine.sampling_params import StructuredSpec
@@ -324,10 +324,10 @@ def _replies(sock: zmq.Socket[bytes], pending: set[str]) -> dict[str, list[Any]]
     pending = set(pending)
     while pending:
         assert sock.poll(10_000), f"no reply for {pending} within 10 s"
-        msg = decode_worker(sock.recv())
-        rid = getattr(msg, "request_id", None)
-        if rid in replies:
-            replies[rid].append(msg)
-            if isinstance(msg, Finished | ErrorReply):
-                pending.discard(rid)
+        for msg in decode_worker_items(sock.recv()):
+            rid = getattr(msg, "request_id", None)
+            if rid in replies:
+                replies[rid].append(msg)
+                if isinstance(msg, Finished | ErrorReply):
+                    pending.discard(rid)
     return replies

@@ -25,12 +25,14 @@ from engine.protocol import (
     Hello,
     LoadReport,
     ProtocolError,
+    Replies,
     SamplingSpec,
     TokenDelta,
     Welcome,
     WorkerMsg,
     decode_client,
     decode_worker,
+    decode_worker_items,
     encode,
 )
 from engine.sampling_params import SamplingParams
@@ -107,6 +109,12 @@ def _make_worker_msgs() -> list[WorkerMsg]:
             total_bytes=1 << 34,
             cached_pages=42,
         ),
+        Replies(items=[
+            TokenDelta(request_id="a", token_ids=[1]),
+            Finished(request_id="b", finish_reason="stop", prompt_tokens=2, completion_tokens=1,
+                     cached_tokens=0),
+            ErrorReply(request_id="c", code="invalid_request", message="bad"),
+        ]),
     ]
 
 
@@ -282,3 +290,13 @@ def test_wire_modules_do_not_import_torch() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_replies_unpack_in_order_and_other_messages_come_alone() -> None:
+    items = [TokenDelta(request_id="a", token_ids=[1]), TokenDelta(request_id="b", token_ids=[2]),
+             Finished(request_id="a", finish_reason="length", prompt_tokens=1,
+                      completion_tokens=1, cached_tokens=0)]
+    assert decode_worker_items(encode(Replies(items=items))) == items
+    assert decode_worker_items(encode(items[0])) == [items[0]]
+    with pytest.raises(ProtocolError, match="items"):
+        decode_worker(encode(Replies(items=[])).replace(b"items", b"itemz"))

@@ -21,7 +21,7 @@ from engine.protocol import (
     LoadReport,
     TokenDelta,
     WorkerMsg,
-    decode_worker,
+    decode_worker_items,
 )
 from gateway.serve import WorkerProcess
 from tests.engine.worker_harness import (
@@ -61,7 +61,8 @@ def test_two_concurrent_streams_interleave_and_each_finishes_once(
     deadline = time.monotonic() + REPLY_TIMEOUT_S
     while sum(isinstance(m, Finished) for _, m in timeline) < 2 and time.monotonic() < deadline:
         for sock, _ in poller.poll(100):
-            timeline.append(("a" if sock is a.sock else "b", decode_worker(sock.recv())))
+            name = "a" if sock is a.sock else "b"
+            timeline += [(name, m) for m in decode_worker_items(sock.recv())]
     for name, c in (("a", a), ("b", b)):
         msgs = [m for n, m in timeline if n == name]
         assert_finished(msgs[-1], "length", 20)
@@ -121,3 +122,48 @@ def test_native_worker_streams_the_same_tokens_as_llm_generate(
             last = assert_finished(last, expected.finish_reason, len(expected.token_ids))
             assert tokens(deltas) == list(expected.token_ids), rid
         assert last.cached_tokens == 2 * PAGE, last
+
+
+def test_a_steps_replies_to_one_client_travel_as_one_message(
+    sim_worker: WorkerProcess, connect: Callable[[str], Client]
+) -> None:
+    """Four streams on one client: a step's deltas (and ends) for them come as one ``Replies``
+    (one ZeroMQ message for the gateway to read, not four), each stream still complete and in
+    order; a reply with nothing beside it travels alone (no wrapper, no wait)."""
+    from engine.protocol import Replies, decode_worker
+
+    c = connect(sim_worker.listen)
+    for i in range(4):
+        c.generate(f"r{i}", make_prompt(16 + i), max_new_tokens=12)
+    raw: list[WorkerMsg] = []
+    ended: set[str] = set()
+    deadline = time.monotonic() + REPLY_TIMEOUT_S
+    while len(ended) < 4 and time.monotonic() < deadline:
+        if c.sock.poll(100):
+            msg = decode_worker(c.sock.recv())
+            raw.append(msg)
+            ended |= {m.request_id for m in _items(msg) if isinstance(m, Finished)}
+    batches = [m for m in raw if isinstance(m, Replies)]
+    assert batches, "four running streams never shared a message"
+    assert all(len(b.items) > 1 for b in batches), "a lone reply must not be wrapped"
+    flat = [m for msg in raw for m in _items(msg)]
+    for i in range(4):
+        mine = [m for m in flat if m.request_id == f"r{i}"]
+        assert_finished(mine[-1], "length", 12)
+        assert len(tokens([m for m in mine if isinstance(m, TokenDelta)])) == 12
+    c.assert_silent()
+    c.generate("alone", make_prompt(16), max_new_tokens=3)
+    alone: list[WorkerMsg] = []
+    while not alone or not any(isinstance(m, Finished) for m in _items(alone[-1])):
+        assert c.sock.poll(int(REPLY_TIMEOUT_S * 1000)), "no reply"
+        alone.append(decode_worker(c.sock.recv()))
+    # NOTE: its last step's delta and end may share a message; every delta before goes alone
+    assert all(isinstance(m, TokenDelta) for m in alone[:-1]), alone
+    assert len(tokens([m for msg in alone for m in _items(msg)
+                       if isinstance(m, TokenDelta)])) == 3
+
+
+def _items(msg: WorkerMsg) -> list[WorkerMsg]:
+    from engine.protocol import Replies
+
+    return list(msg.items) if isinstance(msg, Replies) else [msg]

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,7 +31,7 @@ from engine.protocol import (
     SamplingSpec,
     TokenDelta,
     WorkerMsg,
-    decode_worker,
+    decode_worker_items,
     encode,
 )
 from engine.worker.events import KVEvent, decode_batch
@@ -57,17 +58,23 @@ class Client:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
+        self.pending: deque[WorkerMsg] = deque()
 
     def send(self, msg: object) -> None:
         self.sock.send(msg if isinstance(msg, bytes) else encode(msg))  # type: ignore[arg-type]
 
     def recv(self, timeout_s: float = REPLY_TIMEOUT_S) -> WorkerMsg:
-        assert self.sock.poll(int(timeout_s * 1000)), f"no reply within {timeout_s} s"
-        return decode_worker(self.sock.recv())
+        """The next reply (one of a ``Replies`` at a time, as the gateway's client sees them)."""
+        if not self.pending:
+            assert self.sock.poll(int(timeout_s * 1000)), f"no reply within {timeout_s} s"
+            self.pending.extend(decode_worker_items(self.sock.recv()))
+        return self.pending.popleft()
 
     def assert_silent(self, timeout_s: float = 0.3) -> None:
+        if self.pending:
+            pytest.fail(f"unexpected reply: {self.pending[0]}")
         if self.sock.poll(int(timeout_s * 1000)):
-            pytest.fail(f"unexpected reply: {decode_worker(self.sock.recv())}")
+            pytest.fail(f"unexpected reply: {decode_worker_items(self.sock.recv())}")
 
     def generate(self, request_id: str, prompt: list[int], **sampling: object) -> None:
         spec = SamplingSpec(**sampling)  # type: ignore[arg-type]

@@ -12,7 +12,14 @@ import pytest
 import zmq
 
 from engine.hashing import page_hashes
-from engine.protocol import ErrorReply, Finished, Generate, SamplingSpec, decode_worker, encode
+from engine.protocol import (
+    ErrorReply,
+    Finished,
+    Generate,
+    SamplingSpec,
+    decode_worker_items,
+    encode,
+)
 from engine.worker.events import BlockStored, EventPublisher
 from gateway.routing import KVEventSubscriber, KVIndex, MatchResult
 from gateway.serve import ServeError, WorkerProcess, spawn_worker
@@ -49,10 +56,10 @@ class _Client:
                                        sampling=sampling)))
         while True:
             assert self.sock.poll(int(TIMEOUT_S * 1000)), f"{request_id}: no reply"
-            msg = decode_worker(self.sock.recv())
-            assert not isinstance(msg, ErrorReply), msg
-            if isinstance(msg, Finished) and msg.request_id == request_id:
-                return msg
+            for msg in decode_worker_items(self.sock.recv()):
+                assert not isinstance(msg, ErrorReply), msg
+                if isinstance(msg, Finished) and msg.request_id == request_id:
+                    return msg
 
 
 def _prompt(start: int, num_pages: int) -> list[int]:
