@@ -77,22 +77,57 @@ def main() -> None:
         [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir), "--worker",
          worker.listen, "--port", str(port), "--served-model-name", "bench"],
         stderr=subprocess.DEVNULL)
+    plain: list[tuple] = []  # type: ignore[type-arg]
+    streams: list[dict[str, float]] = []
     try:
         if args.plain:
-            asyncio.run(_bench(args, tokenizer, worker, gateway.pid, port))
+            plain = asyncio.run(_bench(args, tokenizer, worker, gateway.pid, port))
         if args.sessions:
             asyncio.run(_session_cells(args, gateway.pid, port))
         if args.stream:
             print(f"\n{STREAM_HEADER}\n{'-' * len(STREAM_HEADER)}")
-            asyncio.run(_stream_cells(args, "zero", gateway.pid, port))
+            streams += asyncio.run(_stream_cells(args, "zero", gateway.pid, port))
             with _gateway_over(model_dir, "h200") as (paced_pid, paced_port):
-                asyncio.run(_stream_cells(args, "h200", paced_pid, paced_port))
+                streams += asyncio.run(_stream_cells(args, "h200", paced_pid, paced_port))
             print(f"\ntarget (issue 10): <= {STREAM_TARGET_US} us of gateway CPU per chunk at 16 "
                   "and 64 streams")
     finally:
         gateway.terminate()
         gateway.wait(10)
         worker.stop()
+    if args.reference:
+        _reference(args, plain, streams)
+
+
+def _reference(args: argparse.Namespace, plain: list[tuple],  # type: ignore[type-arg]
+               streams: list[dict[str, float]]) -> None:
+    """The same cells through SGLang's Rust router in front of a stub OpenAI worker, measured
+    now on this machine (``loadtest/sglang_router_ref.py``), and ours / its ratios."""
+    import sglang_router_ref
+
+    print("\nreference: sglang-router 0.3.2 (cache_aware) in front of "
+          "loadtest/openai_stub_worker.py, same machine, same run")
+    rows = sglang_router_ref.measure(
+        args.duration, args.stream_concurrency if args.stream else (), args.stream_tokens,
+        args.concurrency if args.plain else (), {k: SIZES[k] for k in args.sizes},
+        step_ms=tuple(REF_STEP_MS.values()))
+    if not rows:
+        return
+    sglang_router_ref.print_table(rows)
+    print("\nours / router (CPU):")
+    for ours in streams:
+        ref = next((r for r in rows if r["kind"] == "stream" and r["concurrency"] == ours["c"]
+                    and r["step_ms"] == REF_STEP_MS[ours["cost"]]), None)
+        if ref is not None:
+            print(f"  stream {ours['cost']:>4} vs {ref['step_ms']:.0f} ms steps, c={ours['c']}: "
+                  f"{ours['cpu_us_per_chunk'] / ref['cpu_us_per_chunk']:.2f}x per chunk, "
+                  f"{ours['cpu_us_per_token'] / ref['cpu_us_per_token']:.2f}x per token")
+    for size_name, c, *_rest in plain:
+        ref = next((r for r in rows if r["kind"] == "plain" and r["concurrency"] == c
+                    and r["size"] == size_name), None)
+        if ref is not None:
+            print(f"  plain {size_name} c={c}: {_rest[2] / ref['cpu_us_per_request']:.2f}x per "
+                  "request")
 
 
 @contextlib.contextmanager
@@ -155,12 +190,14 @@ def _session_turns(port: int, convo: tuple[str, list[str]]) -> Session:
     return session
 
 
-async def _stream_cells(args: argparse.Namespace, cost: str, pid: int, port: int) -> None:
+async def _stream_cells(args: argparse.Namespace, cost: str, pid: int,
+                        port: int) -> list[dict[str, float]]:
     await _wait_ready(port)
     await _run_streams(port, 4, 1.0, args.stream_tokens)  # NOTE: warm-up
     idle0 = _cpu_s(pid)
     await asyncio.sleep(IDLE_S)
     idle_cpu_per_s = (_cpu_s(pid) - idle0) / IDLE_S
+    rows = []
     for c in args.stream_concurrency:
         rss0, cpu0, t0 = _rss_mb(pid), _cpu_s(pid), time.perf_counter()
         got = await _run_streams(port, c, args.duration, args.stream_tokens)
@@ -171,6 +208,9 @@ async def _stream_cells(args: argparse.Namespace, cost: str, pid: int, port: int
               f"{tokens / elapsed_s:7.0f} {tokens / chunks:6.2f} | {cpu_s / chunks * 1e6:6.1f}us "
               f"{cpu_s / tokens * 1e6:6.1f}us {idle_cpu_per_s * 1e3:5.1f}ms/s | "
               f"{rss0:5.0f}/{_rss_mb(pid):5.0f}", flush=True)
+        rows.append({"cost": cost, "c": c, "cpu_us_per_chunk": cpu_s / chunks * 1e6,
+                     "cpu_us_per_token": cpu_s / tokens * 1e6})
+    return rows
 
 
 async def _run_streams(port: int, concurrency: int, duration_s: float,
@@ -216,7 +256,7 @@ async def _post_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
 
 
 async def _bench(args: argparse.Namespace, tok: Tokenizer, worker: WorkerProcess, pid: int,
-                 port: int) -> None:
+                 port: int) -> list[tuple]:  # type: ignore[type-arg]
     await _wait_ready(port)
     direct = WorkerClient(worker.listen)
     await direct.connect()
@@ -245,6 +285,7 @@ async def _bench(args: argparse.Namespace, tok: Tokenizer, worker: WorkerProcess
             _print_row(rows[-1])
     direct.close()
     _print_summary(rows)
+    return rows
 
 
 async def _run_mode(
@@ -418,6 +459,7 @@ def _free_port() -> int:
 
 
 STREAM_TARGET_US, SESSION_TARGET_US, IDLE_S = 40, 150, 3.0
+REF_STEP_MS = {"zero": 0.0, "h200": 20.0}  # NOTE: the stub worker's pacing like our sim's
 SESSION_HEADER = (f"{'size':>4} {'conc':>4} | {'turns/s':>8} | {'gw CPU':>9} | {'p50':>8} "
                   f"{'p99':>9} | {'RSS max':>5}")
 STREAM_HEADER = (f"{'cost':>5} {'conc':>4} | {'req/s':>6} {'chunk/s':>7} {'tok/s':>7} "
@@ -467,6 +509,8 @@ def _parse_args() -> argparse.Namespace:
                         help="skip the streaming cells")
     parser.add_argument("--no-sessions", dest="sessions", action="store_false",
                         help="skip the Sessions API cells")
+    parser.add_argument("--no-reference", dest="reference", action="store_false",
+                        help="skip the sglang-router cells (run only when it is installed)")
     parser.add_argument("--quick", action="store_true", help="--duration 3")
     args = parser.parse_args()
     if args.quick:

@@ -61,7 +61,7 @@ class StubWorker:
                 await self.handle(method, path.split(b"?", 1)[0], body, writer)
                 if headers.get(b"connection", b"").lower() == b"close":
                     return
-        except (ConnectionError, asyncio.IncompleteReadError):
+        except (ConnectionError, ValueError, asyncio.IncompleteReadError):  # NOTE: bad peer
             return
         finally:
             writer.close()
