@@ -285,6 +285,8 @@ class Dispatcher:
                         if type(item) is TokenDelta:
                             if timed:
                                 (stats.itl if started else stats.ttft).observe(now_s - last_s)
+                                if len(item.token_ids) > 1:  # NOTE: per token: these came
+                                    stats.itl.observe(0.0, len(item.token_ids) - 1)  # together
                             last_s = now_s
                             if not started:
                                 self._first_token(rid, wid)

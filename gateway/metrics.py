@@ -79,9 +79,10 @@ class Histogram:
         self.counts = [0] * (len(self.bounds) + 1)
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
+    def observe(self, value: float, n: int = 1) -> None:
+        """Count ``value`` ``n`` times."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += n
+        self.sum += value * n
 
     @property
     def count(self) -> int:
@@ -251,7 +252,9 @@ class GatewayMetrics:
         yield _histogram("time_to_first_token_seconds",
                          "From dispatch to the first token delta (retries included)", stats.ttft)
         yield _histogram("inter_token_latency_seconds",
-                         "Gap between consecutive token deltas of a request", stats.itl)
+                         "Per generated token after a request's first: the gap since the "
+                         "previous one as the gateway received them (0 for tokens that came "
+                         "in one message)", stats.itl)
         yield _histogram("request_cached_token_ratio",
                          "Per finished request: worker-cached prompt tokens / prompt tokens",
                          stats.cached_ratio)

@@ -67,6 +67,12 @@ def test_metrics_count_requests_tokens_and_workers(
     _assert_grew(before, after, "agentgate_request_duration_seconds_count", chat, 3)
     _assert_grew(before, after, "agentgate_time_to_first_token_seconds_count", {}, 2)
     _assert_grew(before, after, "agentgate_inter_token_latency_seconds_count", {}, 1)
+    # NOTE: one gap per token after each request's first, however the tokens were batched on
+    # the way (the worker's Replies, the stream's coalescing): exact, not a lower bound
+    itl, gen, ttft = (after.get((name, ()), 0.0) - before.get((name, ()), 0.0) for name in (
+        "agentgate_inter_token_latency_seconds_count", "agentgate_generated_tokens_total",
+        "agentgate_time_to_first_token_seconds_count"))
+    assert itl == gen - ttft, (itl, gen, ttft)
     _assert_grew(before, after, "agentgate_generated_tokens_total", {}, 2 * MAX_TOKENS)
     _assert_grew(before, after, "agentgate_prompt_tokens_total", {}, 40)
     _assert_grew(before, after, "agentgate_cached_prompt_tokens_total", {}, 1)
