@@ -186,3 +186,14 @@ def test_routable_views_are_the_routable_hashes_and_never_change(
         assert view.tolist() == values
         with pytest.raises(TypeError):
             view[0:0] = b""  # NOTE: read-only
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 2**32 + 5), max_size=70), st.integers(1, 9),
+       st.sampled_from([None, "", "t1"]))
+def test_a_whole_chain_equals_page_hashes(ids: list[int], page_size: int, salt: str | None) -> None:
+    """Without a key (and on a key's first call) the chain comes from the fast byte-level path;
+    it must be ``page_hashes`` exactly, ids beyond 32 bits included (they take the slow path)."""
+    expected = page_hashes(ids, page_size, salt)
+    assert PrefixHasher(page_size).hashes(ids, salt) == expected
+    assert PrefixHasher(page_size).hashes(ids, salt, key="k") == expected
