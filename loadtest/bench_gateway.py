@@ -36,10 +36,8 @@ import asyncio
 import contextlib
 import itertools
 import json
-import os
 import random
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,6 +47,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import msgspec
+from httpbench import WORDS, cpu_s, free_port, post_stream, request, rss_mb
 
 from engine.protocol import Finished, Generate, SamplingSpec
 from gateway.dispatch import WorkerClient
@@ -58,10 +57,7 @@ from gateway.tokenizer import Tokenizer, write_demo_tokenizer
 SIZES = {"2k": 2048, "20k": 20480}
 TURNS, MAX_TOKENS, CONTEXT, SEED = 8, 8, 65536, 0
 PLAIN_TARGET_US, ADDED_P50_TARGET_MS, RSS_TARGET_MB = {"2k": 350, "20k": 700}, 0.4, 300
-WORDS = ("the", "agent", "calls", "a", "tool", "reads", "its", "output", "then", "edits", "file",
-         "and", "runs", "tests", "again", "until", "they", "pass", "or", "asks", "user", "what")
 _JSON = msgspec.json.Encoder()
-_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 _session_ids = itertools.count()
 Session = Callable[[float, list[float]], Awaitable[None]]  # (deadline, latencies) -> runs turns
 
@@ -72,7 +68,7 @@ def main() -> None:
     tokenizer = Tokenizer.from_dir(model_dir)
     worker = spawn_worker(model_dir=model_dir, backend="sim", worker_id="bench",
                           extra_args=["--cost", "zero", "--max-batched-tokens", "32768"])
-    port = _free_port()
+    port = free_port()
     gateway = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir), "--worker",
          worker.listen, "--port", str(port), "--served-model-name", "bench"],
@@ -135,7 +131,7 @@ def _gateway_over(model_dir: Path, cost: str) -> Iterator[tuple[int, int]]:
     """A sim worker with ``cost`` and a gateway over it: (gateway pid, port)."""
     worker = spawn_worker(model_dir=model_dir, backend="sim", worker_id=f"bench-{cost}",
                           extra_args=["--cost", cost, "--max-batched-tokens", "32768"])
-    port = _free_port()
+    port = free_port()
     gateway = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve", "--model", str(model_dir), "--worker",
          worker.listen, "--port", str(port), "--served-model-name", "bench"],
@@ -158,9 +154,9 @@ async def _session_cells(args: argparse.Namespace, pid: int, port: int) -> None:
         convo = _conversation(SIZES[size_name])
         await _run_mode(_session_turns(port, convo), 4, 1.0)  # NOTE: warm-up
         for c in args.concurrency:
-            cpu0 = _cpu_s(pid)
+            cpu0 = cpu_s(pid)
             got = await _run_mode(_session_turns(port, convo), c, args.duration, pid)
-            cpu_us = (_cpu_s(pid) - cpu0) / max(got["n"], 1) * 1e6
+            cpu_us = (cpu_s(pid) - cpu0) / max(got["n"], 1) * 1e6
             print(f"{size_name:>4} {c:>4} | {got['rps']:8.0f} | {cpu_us:7.0f}us | "
                   f"{got['p50']:6.2f}ms {got['p99']:7.2f}ms | {got['rss_max']:5.0f}", flush=True)
     print(f"target (issue 10): <= {SESSION_TARGET_US} us of gateway CPU per turn above the "
@@ -184,7 +180,7 @@ def _session_turns(port: int, convo: tuple[str, list[str]]) -> Session:
                 status, reply = await _post(reader, writer, f"/v1/sessions/{sid}/turns", body)
                 latencies.append(time.perf_counter() - start)
                 assert status == 200, reply[:300]
-            await _request(reader, writer, "DELETE", f"/v1/sessions/{sid}")
+            await request(reader, writer, "DELETE", f"/v1/sessions/{sid}")
         writer.close()
 
     return session
@@ -194,22 +190,22 @@ async def _stream_cells(args: argparse.Namespace, cost: str, pid: int,
                         port: int) -> list[dict[str, float]]:
     await _wait_ready(port)
     await _run_streams(port, 4, 1.0, args.stream_tokens)  # NOTE: warm-up
-    idle0 = _cpu_s(pid)
+    idle0 = cpu_s(pid)
     await asyncio.sleep(IDLE_S)
-    idle_cpu_per_s = (_cpu_s(pid) - idle0) / IDLE_S
+    idle_cpu_per_s = (cpu_s(pid) - idle0) / IDLE_S
     rows = []
     for c in args.stream_concurrency:
-        rss0, cpu0, t0 = _rss_mb(pid), _cpu_s(pid), time.perf_counter()
+        rss0, cpu0, t0 = rss_mb(pid), cpu_s(pid), time.perf_counter()
         got = await _run_streams(port, c, args.duration, args.stream_tokens)
         elapsed_s = time.perf_counter() - t0
-        cpu_s = max(0.0, _cpu_s(pid) - cpu0 - idle_cpu_per_s * elapsed_s)
+        used_s = max(0.0, cpu_s(pid) - cpu0 - idle_cpu_per_s * elapsed_s)
         chunks, tokens = max(got["chunks"], 1), max(got["tokens"], 1)
         print(f"{cost:>5} {c:>4} | {got['requests'] / elapsed_s:6.1f} {chunks / elapsed_s:7.0f} "
-              f"{tokens / elapsed_s:7.0f} {tokens / chunks:6.2f} | {cpu_s / chunks * 1e6:6.1f}us "
-              f"{cpu_s / tokens * 1e6:6.1f}us {idle_cpu_per_s * 1e3:5.1f}ms/s | "
-              f"{rss0:5.0f}/{_rss_mb(pid):5.0f}", flush=True)
-        rows.append({"cost": cost, "c": c, "cpu_us_per_chunk": cpu_s / chunks * 1e6,
-                     "cpu_us_per_token": cpu_s / tokens * 1e6})
+              f"{tokens / elapsed_s:7.0f} {tokens / chunks:6.2f} | {used_s / chunks * 1e6:6.1f}us "
+              f"{used_s / tokens * 1e6:6.1f}us {idle_cpu_per_s * 1e3:5.1f}ms/s | "
+              f"{rss0:5.0f}/{rss_mb(pid):5.0f}", flush=True)
+        rows.append({"cost": cost, "c": c, "cpu_us_per_chunk": used_s / chunks * 1e6,
+                     "cpu_us_per_token": used_s / tokens * 1e6})
     return rows
 
 
@@ -226,33 +222,14 @@ async def _run_streams(port: int, concurrency: int, duration_s: float,
                 "model": "bench", "stream": True, "max_tokens": max_tokens,
                 "stream_options": {"include_usage": True},
                 "messages": [{"role": "user", "content": f"Stream {n}: tell a long story."}]})
-            chunks, tokens = await _post_stream(reader, writer, body)
+            one = await post_stream(reader, writer, body)
             got["requests"] += 1
-            got["chunks"] += chunks
-            got["tokens"] += tokens
+            got["chunks"] += one["chunks"]
+            got["tokens"] += one["tokens"]
         writer.close()
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     return got
-
-
-async def _post_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                       body: bytes) -> tuple[int, int]:
-    """One streamed chat completion: (content chunks, completion tokens from the usage)."""
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\n"
-                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                 % (len(body), body))
-    head = await reader.readuntil(b"\r\n\r\n")
-    assert head[9:12] == b"200" and b"chunked" in head.lower(), head[:200]
-    data = bytearray()
-    while size := int(await reader.readuntil(b"\r\n"), 16):
-        data += (await reader.readexactly(size + 2))[:-2]
-    await reader.readexactly(2)  # NOTE: the last chunk's CRLF
-    events = bytes(data).split(b"\n\n")
-    chunks = sum(1 for e in events if e.startswith(b'data: {') and b'"content":' in e)
-    usage = next(msgspec.json.decode(e[6:]) for e in events
-                 if e.startswith(b'data: {') and b'"choices":[]' in e)
-    return chunks, usage["usage"]["completion_tokens"]
 
 
 async def _bench(args: argparse.Namespace, tok: Tokenizer, worker: WorkerProcess, pid: int,
@@ -270,17 +247,17 @@ async def _bench(args: argparse.Namespace, tok: Tokenizer, worker: WorkerProcess
         system_len = len(tok.encode_chat(_messages(convo, 0, "")[:1], add_generation_prompt=False))
         await _run_mode(_gateway_session(port, convo), 16, 1.0)  # NOTE: warm-up
         for c in args.concurrency:
-            rss0 = _rss_mb(pid)
-            cache0, cpu0 = await _scrape(port), _cpu_s(pid)
+            rss0 = rss_mb(pid)
+            cache0, cpu0 = await _scrape(port), cpu_s(pid)
             gw = await _run_mode(_gateway_session(port, convo), c, args.duration, pid)
-            gw_cpu_us = (_cpu_s(pid) - cpu0) / gw["n"] * 1e6
+            gw_cpu_us = (cpu_s(pid) - cpu0) / gw["n"] * 1e6
             cache1 = await _scrape(port)
             direct_session = _direct_session(direct, template_ids, system_len)
             dr = await _run_mode(direct_session, c, args.duration)
             reused = cache1[0] - cache0[0]
             reuse = reused / max(reused + cache1[1] - cache0[1], 1)
             prompt_us = (cache1[2] - cache0[2]) / gw["n"] * 1e6
-            rows.append((size_name, c, gw, dr, gw_cpu_us, rss0, _rss_mb(pid), reuse, prompt_us,
+            rows.append((size_name, c, gw, dr, gw_cpu_us, rss0, rss_mb(pid), reuse, prompt_us,
                          full_us))
             _print_row(rows[-1])
     direct.close()
@@ -298,7 +275,7 @@ async def _run_mode(
 
     async def sample_rss() -> None:
         while pid is not None:
-            peak[0] = max(peak[0], _rss_mb(pid))
+            peak[0] = max(peak[0], rss_mb(pid))
             await asyncio.sleep(0.25)
 
     sampler = asyncio.create_task(sample_rss())
@@ -356,18 +333,8 @@ def _direct_session(
 
 async def _post(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path: str,
                 body: bytes) -> tuple[int, bytes]:
-    """One HTTP/1.1 keep-alive request; a raw client spends less CPU than httpx."""
-    return await _request(reader, writer, "POST" if body else "GET", path, body)
-
-
-async def _request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, method: str,
-                   path: str, body: bytes = b"") -> tuple[int, bytes]:
-    writer.write(b"%s %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s"
-                 % (method.encode(), path.encode(), len(body), body))
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = int(re.search(rb"(?i)content-length: *(\d+)", head)[1])  # type: ignore[index]
-    return int(head[9:12]), await reader.readexactly(length)
+    """A POST with ``body``, a GET without."""
+    return await request(reader, writer, "POST" if body else "GET", path, body)
 
 
 async def _scrape(port: int) -> tuple[float, float, float]:
@@ -423,25 +390,6 @@ def _messages(convo: tuple[str, list[str]], turn: int, reply: str) -> list[dict[
     return [*messages, {"role": "user", "content": convo[1][turn]}]
 
 
-def _cpu_s(pid: int) -> float:
-    """The process's CPU seconds: its live threads' ``schedstat`` (ns) where readable, else
-    utime + stime from ``stat`` (clock ticks, 10 ms: too coarse for idle rates)."""
-    total, found = 0, False
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            total += int((task / "schedstat").read_text().split()[0])
-            found = True
-    if found:
-        return total / 1e9
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * _TICK_S  # NOTE: utime, stime (fields 14, 15)
-
-
-def _rss_mb(pid: int) -> float:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"VmRSS:\s+(\d+)", status)[1]) / 1024  # type: ignore[index]
-
-
 def _write_model_dir() -> Path:
     from engine.models.checkpoint import DEMO_CONFIG
 
@@ -450,12 +398,6 @@ def _write_model_dir() -> Path:
     (out / "config.json").write_text(json.dumps(DEMO_CONFIG | {"max_position_embeddings":
                                                               CONTEXT}))
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 STREAM_TARGET_US, SESSION_TARGET_US, IDLE_S = 40, 150, 3.0

@@ -36,9 +36,7 @@ import itertools
 import json
 import os
 import random
-import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,11 +46,11 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from httpbench import WORDS, cpu_s, free_port, post_stream, request, rss_mb
+
 IDLE_S, READY_TIMEOUT_S, KILL_WAIT_S, PLAIN_TOKENS = 3.0, 60.0, 5.0, 8
 BODY_SIZES = {"2k": 2048, "20k": 20480}
 STUB = Path(__file__).with_name("openai_stub_worker.py")
-WORDS = ("the", "agent", "calls", "a", "tool", "reads", "its", "output", "then", "edits", "file",
-         "and", "runs", "tests", "again", "until", "they", "pass", "or", "asks", "user", "what")
 _ids = itertools.count()
 
 
@@ -85,16 +83,15 @@ def measure(duration_s: float = 5.0, stream_concurrency: Sequence[int] = (16, 64
 async def _cells(rows: list[dict[str, Any]], pid: int, port: int, pace: float, duration_s: float,
                  stream_concurrency: Sequence[int], stream_tokens: int,
                  plain_concurrency: Sequence[int], body_sizes: Mapping[str, int]) -> None:
-    meter = _CpuMeter(pid)
-    await _run_streams(port, 4, 0.5, min(stream_tokens, 16), meter, pace)  # NOTE: warm-up
-    t0, cpu0 = time.perf_counter(), meter.sample()
+    await _run_streams(port, 4, 0.5, min(stream_tokens, 16), pid, pace)  # NOTE: warm-up
+    t0, cpu0 = time.perf_counter(), cpu_s(pid)
     await asyncio.sleep(IDLE_S)
-    idle_per_s = (meter.sample() - cpu0) / (time.perf_counter() - t0)
+    idle_per_s = (cpu_s(pid) - cpu0) / (time.perf_counter() - t0)
     for c in stream_concurrency:
-        rss0, t0, cpu0 = _rss_mb(pid), time.perf_counter(), meter.sample()
-        got = await _run_streams(port, c, duration_s, stream_tokens, meter, pace)
+        rss0, t0, cpu0 = rss_mb(pid), time.perf_counter(), cpu_s(pid)
+        got = await _run_streams(port, c, duration_s, stream_tokens, pid, pace)
         elapsed = time.perf_counter() - t0
-        cpu = max(0.0, meter.sample() - cpu0 - idle_per_s * elapsed)
+        cpu = max(0.0, cpu_s(pid) - cpu0 - idle_per_s * elapsed)
         chunks, tokens = max(got["chunks"], 1), max(got["tokens"], 1)
         rows.append({"kind": "stream", "step_ms": pace, "concurrency": c,
                      "requests": got["requests"], "chunks": got["chunks"], "tokens": got["tokens"],
@@ -103,14 +100,14 @@ async def _cells(rows: list[dict[str, Any]], pid: int, port: int, pace: float, d
                      "ttft_p50_ms": statistics.median(got["ttft"]) * 1e3,
                      "cpu_us_per_chunk": cpu / chunks * 1e6, "cpu_us_per_token": cpu / tokens * 1e6,
                      "idle_ms_per_s": idle_per_s * 1e3,
-                     "rss_mb": (rss0, got["rss_max"], _rss_mb(pid))})
+                     "rss_mb": (rss0, got["rss_max"], rss_mb(pid))})
     for size_name, size in body_sizes.items():
         system, text = _prompt(size)
         for c in plain_concurrency:
-            rss0, t0, cpu0 = _rss_mb(pid), time.perf_counter(), meter.sample()
-            got = await _run_plain(port, c, duration_s, system, text, meter)
+            rss0, t0, cpu0 = rss_mb(pid), time.perf_counter(), cpu_s(pid)
+            got = await _run_plain(port, c, duration_s, system, text, pid)
             elapsed = time.perf_counter() - t0
-            cpu = max(0.0, meter.sample() - cpu0 - idle_per_s * elapsed)
+            cpu = max(0.0, cpu_s(pid) - cpu0 - idle_per_s * elapsed)
             n, lat = len(got["latency"]), got["latency"]
             q = statistics.quantiles(lat, n=100) if n > 1 else lat * 99
             rows.append({"kind": "plain", "size": size_name, "body_bytes": got["body_bytes"],
@@ -118,11 +115,11 @@ async def _cells(rows: list[dict[str, Any]], pid: int, port: int, pace: float, d
                          "p50_ms": q[49] * 1e3, "p99_ms": q[98] * 1e3,
                          "cpu_us_per_request": cpu / max(n, 1) * 1e6,
                          "idle_ms_per_s": idle_per_s * 1e3,
-                         "rss_mb": (rss0, got["rss_max"], _rss_mb(pid))})
+                         "rss_mb": (rss0, got["rss_max"], rss_mb(pid))})
 
 
 async def _run_streams(port: int, concurrency: int, duration_s: float, tokens: int,
-                       meter: _CpuMeter, step_ms: float) -> dict[str, Any]:
+                       pid: int, step_ms: float) -> dict[str, Any]:
     got: dict[str, Any] = {"requests": 0, "chunks": 0, "tokens": 0, "events": 0, "http_chunks": 0,
                            "ttft": []}
     deadline = time.perf_counter() + duration_s
@@ -136,7 +133,7 @@ async def _run_streams(port: int, concurrency: int, duration_s: float, tokens: i
                     "stream_options": {"include_usage": True},
                     "messages": [{"role": "user", "content": f"Stream {next(_ids)}: a story."}],
                 }).encode()
-                one = await _post_stream(reader, writer, body)
+                one = await post_stream(reader, writer, body)
                 got["requests"] += 1
                 for key, value in one.items():
                     if key == "ttft":
@@ -148,11 +145,11 @@ async def _run_streams(port: int, concurrency: int, duration_s: float, tokens: i
 
     # NOTE: the slack covers one whole stream started just before the deadline
     slack_s = 60 + tokens * step_ms / 1e3 * 2
-    return await _with_sampler(got, meter, client, concurrency, duration_s + slack_s)
+    return await _with_sampler(got, pid, client, concurrency, duration_s + slack_s)
 
 
 async def _run_plain(port: int, concurrency: int, duration_s: float, system: str, text: str,
-                     meter: _CpuMeter) -> dict[str, Any]:
+                     pid: int) -> dict[str, Any]:
     got: dict[str, Any] = {"latency": [], "body_bytes": 0}
     deadline = time.perf_counter() + duration_s
 
@@ -164,7 +161,7 @@ async def _run_plain(port: int, concurrency: int, duration_s: float, system: str
                     {"role": "system", "content": system},
                     {"role": "user", "content": f"Request {next(_ids)}.\n{text}"}]}).encode()
                 start = time.perf_counter()
-                status, reply = await _request(reader, writer, b"/v1/chat/completions", body)
+                status, reply = await request(reader, writer, "POST", "/v1/chat/completions", body)
                 got["latency"].append(time.perf_counter() - start)
                 got["body_bytes"] = len(body)
                 if status != 200:
@@ -172,10 +169,10 @@ async def _run_plain(port: int, concurrency: int, duration_s: float, system: str
         finally:
             writer.close()
 
-    return await _with_sampler(got, meter, client, concurrency, duration_s + 60)
+    return await _with_sampler(got, pid, client, concurrency, duration_s + 60)
 
 
-async def _with_sampler(got: dict[str, Any], meter: _CpuMeter,
+async def _with_sampler(got: dict[str, Any], pid: int,
                         client: Callable[[], Awaitable[None]], concurrency: int,
                         timeout_s: float) -> dict[str, Any]:
     """Run ``concurrency`` clients while sampling the router's threads (an exiting thread's CPU
@@ -184,8 +181,8 @@ async def _with_sampler(got: dict[str, Any], meter: _CpuMeter,
 
     async def sample() -> None:
         while True:
-            meter.sample()
-            got["rss_max"] = max(got["rss_max"], _rss_mb(meter.pid))
+            cpu_s(pid)
+            got["rss_max"] = max(got["rss_max"], rss_mb(pid))
             await asyncio.sleep(0.25)
 
     sampler = asyncio.create_task(sample())
@@ -195,97 +192,6 @@ async def _with_sampler(got: dict[str, Any], meter: _CpuMeter,
     finally:
         sampler.cancel()
     return got
-
-
-async def _post_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                       body: bytes) -> dict[str, Any]:
-    """One streamed chat completion: content events, completion tokens (usage), SSE events and
-    HTTP chunks received (more events than chunks: the router re-chunks), seconds to the first
-    content event."""
-    start = time.perf_counter()
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\n"
-                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                 % (len(body), body))
-    head = await reader.readuntil(b"\r\n\r\n")
-    if head[9:12] != b"200" or b"chunked" not in head.lower():
-        raise RuntimeError(f"unexpected stream response head: {head[:300]!r}")
-    data, http_chunks, ttft = bytearray(), 0, 0.0
-    for _ in range(1 << 24):  # NOTE: bounded; ends at the zero-size chunk
-        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-        if not size:
-            break
-        piece = await reader.readexactly(size + 2)
-        http_chunks += 1
-        if not ttft and b'"content"' in piece:
-            ttft = time.perf_counter() - start
-        data += piece[:-2]
-    await reader.readexactly(2)  # NOTE: the last chunk's CRLF (no trailers)
-    events = [e for e in bytes(data).split(b"\n\n") if e.startswith(b"data: ")]
-    chunks = sum(1 for e in events if b'"content"' in e)
-    usage = [json.loads(e[6:])["usage"] for e in events if b'"usage":{' in e]
-    if events[-1] != b"data: [DONE]" or not usage:
-        raise RuntimeError(f"incomplete stream: {bytes(data[-300:])!r}")
-    return {"chunks": chunks, "tokens": usage[-1]["completion_tokens"], "events": len(events),
-            "http_chunks": http_chunks, "ttft": ttft}
-
-
-async def _request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path: bytes,
-                   body: bytes) -> tuple[int, bytes]:
-    """One HTTP/1.1 keep-alive request (GET without a body); the reply by length or chunks."""
-    method = b"POST" if body else b"GET"
-    writer.write(b"%s %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (method, path, len(body), body))
-    head = await reader.readuntil(b"\r\n\r\n")
-    if length := re.search(rb"(?i)\r\ncontent-length: *(\d+)", head):
-        return int(head[9:12]), await reader.readexactly(int(length[1]))
-    reply = bytearray()
-    for _ in range(1 << 24):
-        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-        if not size:
-            break
-        reply += (await reader.readexactly(size + 2))[:-2]
-    await reader.readexactly(2)
-    return int(head[9:12]), bytes(reply)
-
-
-class _CpuMeter:
-    """Run time (s) of a process tree's threads, each thread's last seen ``schedstat`` kept:
-    thread ids are not reused within a run, and a thread that exits keeps its last value."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.ns: dict[int, int] = {}
-
-    def sample(self) -> float:
-        for pid in _tree(self.pid):
-            with contextlib.suppress(OSError):
-                for task in Path(f"/proc/{pid}/task").iterdir():
-                    with contextlib.suppress(OSError, ValueError, IndexError):
-                        self.ns[int(task.name)] = int(
-                            (task / "schedstat").read_text().split()[0])
-        return sum(self.ns.values()) / 1e9
-
-
-def _tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (``/proc/<pid>/task/*/children``), bounded."""
-    out, todo = [], [pid]
-    while todo and len(out) < 256:
-        p = todo.pop()
-        out.append(p)
-        with contextlib.suppress(OSError):
-            for task in Path(f"/proc/{p}/task").iterdir():
-                with contextlib.suppress(OSError):
-                    todo += [int(c) for c in (task / "children").read_text().split()]
-    return out
-
-
-def _rss_mb(pid: int) -> float:
-    total = 0.0
-    for p in _tree(pid):
-        with contextlib.suppress(OSError, TypeError):
-            status = Path(f"/proc/{p}/status").read_text()
-            total += int(re.search(r"VmRSS:\s+(\d+)", status)[1]) / 1024  # type: ignore[index]
-    return total
 
 
 def _prompt(size: int) -> tuple[str, str]:
@@ -304,17 +210,17 @@ def _stack(workers: int, step_ms: float, policy: str, log_level: str) -> Iterato
         try:
             urls = []
             for _ in range(workers):
-                port = _free_port()
+                port = free_port()
                 procs.append(subprocess.Popen(
                     [sys.executable, str(STUB), "--port", str(port), "--step-ms", str(step_ms)],
                     stdout=subprocess.DEVNULL, stderr=log, start_new_session=True))
                 urls.append(f"http://127.0.0.1:{port}")
-            port = _free_port()
+            port = free_port()
             # NOTE: the Prometheus exporter binds 0.0.0.0:29000 unless told otherwise
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls,
                  "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
+                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                  "--log-level", log_level],
                 stdout=log, stderr=log, start_new_session=True))
             asyncio.run(_wait_ready(port, procs, log))
@@ -336,7 +242,7 @@ async def _wait_ready(port: int, procs: list[subprocess.Popen[bytes]], log: Any)
             async with asyncio.timeout(5):
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 try:
-                    status, _ = await _request(reader, writer, b"/v1/chat/completions", body)
+                    status, _ = await request(reader, writer, "POST", "/v1/chat/completions", body)
                 finally:
                     writer.close()
         if status == 200:
@@ -359,12 +265,6 @@ def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
                 p.wait(max(0.1, deadline - time.monotonic()))
         if all(p.poll() is not None for p in procs):
             return
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
