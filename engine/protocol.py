@@ -309,11 +309,15 @@ def decode_worker(data: bytes) -> WorkerMsg:
     return _decode(_WORKER_DECODER, data, "worker")
 
 
-def decode_worker_items(data: bytes) -> list[WorkerMsg]:
-    """Decode a worker -> gateway message into the replies it carries, in order (a ``Replies``
-    unpacked, anything else alone). Raises ``ProtocolError`` as ``decode_worker``."""
-    msg = decode_worker(data)
+def replies_in(msg: WorkerMsg) -> list[WorkerMsg]:
+    """The replies ``msg`` carries, in order: a ``Replies`` unpacked, anything else alone."""
     return list(msg.items) if type(msg) is Replies else [msg]
+
+
+def decode_worker_items(data: bytes) -> list[WorkerMsg]:
+    """Decode a worker -> gateway message into the replies it carries (``replies_in``).
+    Raises ``ProtocolError`` as ``decode_worker``."""
+    return replies_in(decode_worker(data))
 
 
 def _decode(decoder: msgspec.msgpack.Decoder[Any], data: bytes, direction: str) -> Any:

@@ -19,9 +19,12 @@ from engine.protocol import (
     Finished,
     GetLoad,
     LoadReport,
+    Replies,
     TokenDelta,
     WorkerMsg,
+    decode_worker,
     decode_worker_items,
+    replies_in,
 )
 from gateway.serve import WorkerProcess
 from tests.engine.worker_harness import (
@@ -130,8 +133,6 @@ def test_a_steps_replies_to_one_client_travel_as_one_message(
     """Four streams on one client: a step's deltas (and ends) for them come as one ``Replies``
     (one ZeroMQ message for the gateway to read, not four), each stream still complete and in
     order; a reply with nothing beside it travels alone (no wrapper, no wait)."""
-    from engine.protocol import Replies, decode_worker
-
     c = connect(sim_worker.listen)
     for i in range(4):
         c.generate(f"r{i}", make_prompt(16 + i), max_new_tokens=12)
@@ -142,11 +143,11 @@ def test_a_steps_replies_to_one_client_travel_as_one_message(
         if c.sock.poll(100):
             msg = decode_worker(c.sock.recv())
             raw.append(msg)
-            ended |= {m.request_id for m in _items(msg) if isinstance(m, Finished)}
+            ended |= {m.request_id for m in replies_in(msg) if isinstance(m, Finished)}
     batches = [m for m in raw if isinstance(m, Replies)]
     assert batches, "four running streams never shared a message"
     assert all(len(b.items) > 1 for b in batches), "a lone reply must not be wrapped"
-    flat = [m for msg in raw for m in _items(msg)]
+    flat = [m for msg in raw for m in replies_in(msg)]
     for i in range(4):
         mine = [m for m in flat if m.request_id == f"r{i}"]
         assert_finished(mine[-1], "length", 12)
@@ -154,16 +155,11 @@ def test_a_steps_replies_to_one_client_travel_as_one_message(
     c.assert_silent()
     c.generate("alone", make_prompt(16), max_new_tokens=3)
     alone: list[WorkerMsg] = []
-    while not alone or not any(isinstance(m, Finished) for m in _items(alone[-1])):
+    while not alone or not any(isinstance(m, Finished) for m in replies_in(alone[-1])):
         assert c.sock.poll(int(REPLY_TIMEOUT_S * 1000)), "no reply"
         alone.append(decode_worker(c.sock.recv()))
     # NOTE: its last step's delta and end may share a message; every delta before goes alone
     assert all(isinstance(m, TokenDelta) for m in alone[:-1]), alone
-    assert len(tokens([m for msg in alone for m in _items(msg)
+    assert len(tokens([m for msg in alone for m in replies_in(msg)
                        if isinstance(m, TokenDelta)])) == 3
 
-
-def _items(msg: WorkerMsg) -> list[WorkerMsg]:
-    from engine.protocol import Replies
-
-    return list(msg.items) if isinstance(msg, Replies) else [msg]
