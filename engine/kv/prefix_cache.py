@@ -190,10 +190,10 @@ class PrefixCache:
         if not self.enabled:
             self._drop_unpinned(node)
             return
-        if self.has_swa and node.swa_page is None and self._is_deletable(node):
-            # NOTE: a tombstone leaf gives no hit (no window ends at or below it). It happens
-            # when a request's last full page lost its SWA while the request ran (W < page: the
-            # window sat in the partial page); left to LRU, such pages outlived live checkpoints
+        if self._is_tombstone_leaf(node):
+            # NOTE: it happens when a request's last full page lost its SWA while the request ran
+            # (W < page: the window sat in the partial page); left to LRU, such pages outlived
+            # live checkpoints
             self._delete_leaf(node)
             return
         self._offer(node)
@@ -327,7 +327,7 @@ class PrefixCache:
         self.allocator.free(PageKind.SWA, [node.swa_page])
         node.swa_page = None
         self.stats.evicted_swa_pages += 1
-        if node.num_children == 0 and node.full_refs == 0:
+        if self._is_tombstone_leaf(node):
             self._delete_leaf(node)  # NOTE: announced as removed, which implies the SWA too
         else:
             self._emit("swa_dropped", node)
@@ -367,7 +367,7 @@ class PrefixCache:
             parent.num_children -= 1
             if parent.num_children or parent.full_refs or parent.swa_refs:
                 return
-            if self.enabled and (parent.swa_page is not None or not self.has_swa):
+            if self.enabled and not self._is_tombstone_leaf(parent):
                 self._offer(parent)  # a leaf again: evictable by LRU
                 return
             node = parent  # a tombstone leaf (or cache off): useless, delete it too
@@ -387,6 +387,11 @@ class PrefixCache:
 
     def _is_deletable(self, n: Node) -> bool:
         return n.alive and n.num_children == 0 and n.full_refs == 0 and n.swa_refs == 0
+
+    def _is_tombstone_leaf(self, n: Node) -> bool:
+        """An unpinned leaf of an SWA model whose SWA is gone: no hit can use it (no window ends
+        at or below it), so it is deleted rather than kept for LRU."""
+        return self.has_swa and n.swa_page is None and self._is_deletable(n)
 
     def _is_ckpt(self, n: Node) -> bool:
         # NOTE: demotable even while a running request pins some of its window: demotion only
