@@ -5,7 +5,6 @@ and error handlers; nothing runs at import time. Every response carries an ``x-r
 from dataclasses import dataclass
 from pathlib import Path
 
-from litestar import Litestar
 from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.di import Provide
@@ -20,6 +19,7 @@ from gateway.controllers.openai import (
 )
 from gateway.controllers.sessions import SessionsController, session_ws
 from gateway.errors import ERROR_HANDLERS
+from gateway.lane import GatewayApp
 from gateway.lifespan import (
     dispatcher_lifespan,
     model_lifespan,
@@ -106,8 +106,8 @@ class GatewayConfig:
         assert self.index_max_pages > 0, f"{self.index_max_pages=}"
 
 
-def create_app(cfg: GatewayConfig) -> Litestar:
-    return Litestar(
+def create_app(cfg: GatewayConfig) -> GatewayApp:
+    return GatewayApp(
         route_handlers=[
             HealthController, ModelsController, ChatCompletionsController, CompletionsController,
             openapi_json, SessionsController, session_ws,

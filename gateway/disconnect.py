@@ -16,11 +16,13 @@ to nobody).
 import asyncio
 import inspect
 from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from litestar import Request
 from litestar.exceptions import HTTPException
 from litestar.types import Receive
+
+if TYPE_CHECKING:
+    from gateway.lean_request import HttpRequest
 
 CLIENT_CLOSED_REQUEST = 499
 _T = TypeVar("_T")
@@ -32,7 +34,7 @@ class ClientDisconnected(HTTPException):
     status_code = CLIENT_CLOSED_REQUEST
 
 
-async def until_disconnect(request: Request[Any, Any, Any], work: Awaitable[_T]) -> _T:
+async def until_disconnect(request: "HttpRequest", work: Awaitable[_T]) -> _T:
     """``await work``, cancelled when the client disconnects first.
 
     NOTE: reads (and caches) the body first, so that the watcher's ``receive()`` never races the
@@ -51,7 +53,7 @@ async def until_disconnect(request: Request[Any, Any, Any], work: Awaitable[_T])
     task = asyncio.current_task()
     assert task is not None, "until_disconnect() outside a task"
     gone = asyncio.Event()
-    watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(request.receive,
+    watcher = asyncio.get_running_loop().create_task(cancel_on_disconnect(request.receive,
                                                                            task, gone))
     try:
         return await work
@@ -64,8 +66,9 @@ async def until_disconnect(request: Request[Any, Any, Any], work: Awaitable[_T])
         watcher.cancel()
 
 
-async def _cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any],
-                                gone: asyncio.Event) -> None:
+async def cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any],
+                               gone: asyncio.Event) -> None:
+    """Waits for the client's ``http.disconnect``, then sets ``gone`` and cancels ``task``."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":

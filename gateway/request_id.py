@@ -7,10 +7,12 @@ gateway's loggers end with ``[request_id=...]`` (``RequestIdLogFilter``, on the 
 handlers while the app runs).
 """
 
+import contextlib
 import contextvars
 import logging
 import re
 import uuid
+from collections.abc import Iterator
 
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -35,6 +37,16 @@ def request_id_of(scope: Scope) -> str:
     return rid
 
 
+@contextlib.contextmanager
+def bound_request_id(rid: str) -> Iterator[None]:
+    """``current_request_id()`` is ``rid`` inside (the lane's, ``gateway.lane``)."""
+    token = _current.set(rid)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
 def request_id_middleware(app: ASGIApp) -> ASGIApp:
     """Makes the request's id ``current_request_id()`` while the handler (and its stream) run."""
 
@@ -42,11 +54,8 @@ def request_id_middleware(app: ASGIApp) -> ASGIApp:
         if scope["type"] not in ("http", "websocket"):
             await app(scope, receive, send)
             return
-        token = _current.set(request_id_of(scope))
-        try:
+        with bound_request_id(request_id_of(scope)):
             await app(scope, receive, send)
-        finally:
-            _current.reset(token)
 
     return middleware
 

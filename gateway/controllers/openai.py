@@ -43,6 +43,7 @@ from gateway.generation import (
     pieces,
     usage_of,
 )
+from gateway.lean_request import HttpRequest
 from gateway.lifespan import ModelState
 from gateway.logprobs import TokenTexts
 from gateway.schemas import (
@@ -72,9 +73,12 @@ from gateway.tenancy import ANONYMOUS, cache_salt, tenant_of
 from gateway.tool_pauses import answered, start_stateless, watch_stream
 
 _JSON = msgspec.json.Encoder()
+CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 PROMPT_THREADS = 2  # NOTE: large inputs at once; more would only share the same cores
 _T = TypeVar("_T")
 _Req = TypeVar("_Req", ChatCompletionRequest, CompletionRequest)
+# NOTE: what a generation endpoint answers: a JSON body, or the SSE events of a stream
+Answer = ChatCompletion | Completion | AsyncIterator[bytes]
 
 
 class ModelsController(Controller):
@@ -92,63 +96,74 @@ class ModelsController(Controller):
 
 
 class CompletionsController(Controller):
-    path = "/v1/completions"
+    path = COMPLETIONS_PATH
 
     @post(status_code=200)
     async def create(self, request: Request[Any, Any, Any]) -> Response[Any]:
         # NOTE: a client that leaves before the answer must not leave its request running
-        return await until_disconnect(request, self._create(request))
+        return as_response(await until_disconnect(request, completion(request)))
 
-    async def _create(self, request: Request[Any, Any, Any]) -> Response[Any]:
-        model, req = await _read(request, decode_completion_request)
-        prompt = req.prompt
-        if isinstance(prompt, str):
-            _check_prompt_chars(len(prompt), model, "prompt")
-            prompt = await _maybe_off_loop(request, len(prompt), model.tokenizer.encode, prompt)
-        _check_vocab(prompt, model.vocab_size)
-        salt = cache_salt(tenant_of(request))
-        head, started = await _start(request, model, req, list(prompt), "prompt", salt)
-        if req.stream:
-            return sse.response(_completion_sse(head, req, started, model))
-        return Response(await _completion(head, req, started, model))
+
+async def completion(request: HttpRequest) -> Answer:
+    """``POST /v1/completions``: the JSON body, or the SSE events."""
+    model, req = await _read(request, decode_completion_request)
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        _check_prompt_chars(len(prompt), model, "prompt")
+        prompt = await _maybe_off_loop(request, len(prompt), model.tokenizer.encode, prompt)
+    _check_vocab(prompt, model.vocab_size)
+    salt = cache_salt(tenant_of(request))
+    head, started = await _start(request, model, req, list(prompt), "prompt", salt)
+    if req.stream:
+        return _completion_sse(head, req, started, model)
+    return await _completion(head, req, started, model)
 
 
 class ChatCompletionsController(Controller):
-    path = "/v1/chat/completions"
+    path = CHAT_COMPLETIONS_PATH
 
     @post(status_code=200)
     async def create(self, request: Request[Any, Any, Any]) -> Response[Any]:
         # NOTE: a client that leaves before the answer must not leave its request running
-        return await until_disconnect(request, self._create(request))
-
-    async def _create(self, request: Request[Any, Any, Any]) -> Response[Any]:
-        model, req = await _read(request, decode_chat_request)
-        num_chars = prompt_chars(req.messages)
-        _check_prompt_chars(num_chars, model, "messages")
-        salt = cache_salt(tenant_of(request))
-        input_ids = await _maybe_off_loop(request, num_chars, _chat_prompt, req, model, salt)
-        head, started = await _start(request, model, req, input_ids, "messages", salt)
-        parse_tools = bool(req.tools) and req.tool_choice != "none"
-        opts = OutputOptions(req.stop_strings, parse_tools, logprobs=bool(req.logprobs))
-        if req.stream:
-            if req.continuous_usage:
-                started = _counting(started, len(input_ids))
-            watch = functools.partial(watch_stream, request.app.state.dispatcher, head.id, salt)
-            return sse.response(_chat_sse(head, req, started, model, opts, watch))
-        result = await chat_result(started, model, opts)
-        answered(request.app.state.dispatcher, head.id, salt, result.message.tool_calls,
-                 result.finish_reason, result.usage)
-        logprobs = None if result.logprobs is None else ChoiceLogprobs(content=result.logprobs)
-        choice = ChatChoice(
-            index=0, message=result.message, finish_reason=result.finish_reason, logprobs=logprobs
-        )
-        return Response(ChatCompletion(
-            id=head.id, model=head.model, choices=[choice], usage=result.usage,
-            created=head.created,
-        ))
+        return as_response(await until_disconnect(request, chat_completion(request)))
 
 
-def _model(request: Request[Any, Any, Any]) -> ModelState:
+def as_response(answer: Answer) -> Response[Any]:
+    """A litestar response of an answer (the lane, ``gateway.lane``, writes answers itself)."""
+    if isinstance(answer, msgspec.Struct):
+        return Response(answer)
+    return sse.response(answer)
+
+
+async def chat_completion(request: HttpRequest) -> Answer:
+    """``POST /v1/chat/completions``: the JSON body, or the SSE events."""
+    model, req = await _read(request, decode_chat_request)
+    num_chars = prompt_chars(req.messages)
+    _check_prompt_chars(num_chars, model, "messages")
+    salt = cache_salt(tenant_of(request))
+    input_ids = await _maybe_off_loop(request, num_chars, _chat_prompt, req, model, salt)
+    head, started = await _start(request, model, req, input_ids, "messages", salt)
+    parse_tools = bool(req.tools) and req.tool_choice != "none"
+    opts = OutputOptions(req.stop_strings, parse_tools, logprobs=bool(req.logprobs))
+    if req.stream:
+        if req.continuous_usage:
+            started = _counting(started, len(input_ids))
+        watch = functools.partial(watch_stream, request.app.state.dispatcher, head.id, salt)
+        return _chat_sse(head, req, started, model, opts, watch)
+    result = await chat_result(started, model, opts)
+    answered(request.app.state.dispatcher, head.id, salt, result.message.tool_calls,
+             result.finish_reason, result.usage)
+    logprobs = None if result.logprobs is None else ChoiceLogprobs(content=result.logprobs)
+    choice = ChatChoice(
+        index=0, message=result.message, finish_reason=result.finish_reason, logprobs=logprobs
+    )
+    return ChatCompletion(
+        id=head.id, model=head.model, choices=[choice], usage=result.usage,
+        created=head.created,
+    )
+
+
+def _model(request: HttpRequest) -> ModelState:
     """The app's model (and ``state.dispatcher``). NOTE: read from the app state rather than
     injected: on this hot path litestar's dependency resolution (an anyio task group per
     request) cost ~10 % of the gateway's CPU per request (``loadtest/bench_gateway.py``)."""
@@ -164,7 +179,7 @@ class _Head(msgspec.Struct, frozen=True):
 
 
 async def _read(
-    request: Request[Any, Any, Any], decode: Callable[[bytes], _Req]
+    request: HttpRequest, decode: Callable[[bytes], _Req]
 ) -> tuple[ModelState, _Req]:
     """The app's model and the request's body, decoded (off the loop when large) and checked."""
     model = _model(request)
@@ -175,7 +190,7 @@ async def _read(
 
 
 async def _start(
-    request: Request[Any, Any, Any],
+    request: HttpRequest,
     model: ModelState,
     req: ChatCompletionRequest | CompletionRequest,
     input_ids: list[int],
@@ -203,14 +218,14 @@ async def _start(
     return _Head(generate.request_id, served_names(request)[0], int(time.time())), started
 
 
-def served_names(request: Request[Any, Any, Any]) -> tuple[str, ...]:
+def served_names(request: HttpRequest) -> tuple[str, ...]:
     """The names the model answers to (``GatewayConfig.served_model_names``; empty:
     ``model_name`` or the model directory's name); the first is the one in responses."""
     cfg = request.app.state.cfg
     return cfg.served_model_names or (cfg.model_name or cfg.model_dir.name,)
 
 
-def check_model(request: Request[Any, Any, Any], name: str) -> None:
+def check_model(request: HttpRequest, name: str) -> None:
     if name not in served_names(request):
         raise RequestError(
             f"The model '{name}' does not exist; this gateway serves "
@@ -220,7 +235,7 @@ def check_model(request: Request[Any, Any, Any], name: str) -> None:
 
 
 def _check_request(
-    request: Request[Any, Any, Any],
+    request: HttpRequest,
     req: ChatCompletionRequest | CompletionRequest,
     model: ModelState,
 ) -> None:
@@ -240,7 +255,7 @@ def _check_prompt_chars(num_chars: int, model: ModelState, param: str) -> None:
 
 
 async def _maybe_off_loop(
-    request: Request[Any, Any, Any], size: int, fn: Callable[..., _T], *args: Any
+    request: HttpRequest, size: int, fn: Callable[..., _T], *args: Any
 ) -> _T:
     """``fn(*args)``, on a thread when ``size`` (characters or bytes) is large."""
     if size <= DEFAULT_LIMITS.large_input_chars:
