@@ -89,7 +89,8 @@ class PieceRenderer:
     def __init__(self, tokenizer: ChatTokenizer, cut_ids: Collection[int]) -> None:
         self._tokenizer = tokenizer
         self._cut_ids = frozenset(cut_ids)
-        self._suffixes: dict[tuple[bool, Any], str] = {}  # (has_tools, last role) -> gen prompt
+        # (has_tools, last role) -> the generation prompt's text and ids
+        self._suffixes: dict[tuple[bool, Any], tuple[str, tuple[int, ...]]] = {}
         self._unsafe_suffixes: set[tuple[bool, Any]] = set()
 
     def pieces(
@@ -103,38 +104,41 @@ class PieceRenderer:
         new = [*anchor, *messages[k:]]
         has_new = k < len(messages)
         body_text = render(new, tools, add_generation_prompt=False) if has_new else anchor_text
-        gen_text = body_text + self._generation_suffix(new, tools)
+        suffix, suffix_ids = self._generation_suffix(new, tools)
         if not body_text.startswith(anchor_text):
             return None
-        rendered_chars = len(gen_text) + len(body_text) * has_new + len(anchor_text)
+        rendered_chars = len(body_text) + len(suffix) + len(body_text) * has_new + len(anchor_text)
         body_ids = self._tokenizer.encode(body_text[len(anchor_text):])
-        gen_ids = self._tokenizer.encode(gen_text[len(body_text):])
+        gen_ids = self._tokenizer.encode(suffix) if suffix_ids is None else list(suffix_ids)
         if not self._are_safe_cuts([list(prefix_ids[-1:]), body_ids, gen_ids]):
             return None
         return Pieces(body_ids, gen_ids, rendered_chars)
 
-    def _generation_suffix(self, messages: Sequence[Message], tools: Tools) -> str:
-        """What ``add_generation_prompt=True`` appends to ``messages``' rendering.
+    def _generation_suffix(
+        self, messages: Sequence[Message], tools: Tools
+    ) -> tuple[str, tuple[int, ...] | None]:
+        """What ``add_generation_prompt=True`` appends to ``messages``' rendering, and its ids
+        (None: tokenize it).
 
         NOTE: it depends on the template, the tools' presence and the last message's role only
-        (so it is rendered once per such key, saving a render per request); checked by rendering
-        both ways the first time, and a key where the check fails always renders both ways.
+        (so it is rendered and tokenized once per such key, saving a render and an encode per
+        request); checked by rendering both ways the first time, and a key where the check fails
+        always renders both ways.
         """
         last = messages[-1] if messages else None
         role = last.get("role") if isinstance(last, Mapping) else None
         key = (bool(tools), role)
-        suffix = self._suffixes.get(key)
-        if suffix is not None:
-            return suffix
+        if (known := self._suffixes.get(key)) is not None:
+            return known
         render = self._tokenizer.apply_chat_template
         body = render(messages, tools, add_generation_prompt=False)
         full = render(messages, tools, add_generation_prompt=True)
         suffix = full[len(body):]
         if full.startswith(body) and key not in self._unsafe_suffixes:
-            self._suffixes[key] = suffix
+            self._suffixes[key] = (suffix, tuple(self._tokenizer.encode(suffix)))
         else:
             self._unsafe_suffixes.add(key)
-        return suffix
+        return suffix, None
 
     def _are_safe_cuts(self, pieces: list[list[int]]) -> bool:
         nonempty = [p for p in pieces if p]
