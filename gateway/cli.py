@@ -9,7 +9,7 @@
                                       replay a trace through the routing policies on in-process
                                       sim workers, virtual time (``agentgate replay -h``)
     agentgate serve [--model DIR] [--workers N] [--worker tcp://...] [--host H] [--port P]
-                    [--redis URL] [--router NAME] [...]   (agentgate serve -h)
+                    [--redis URL] [--gateway-procs N] [--router NAME] [...]   (agentgate serve -h)
                                       the OpenAI-compatible gateway over N worker subprocesses
 
 Heavy modules (torch, the engine) are imported inside the commands, so ``agentgate --help`` and
@@ -163,6 +163,7 @@ def serve_kwargs(args: argparse.Namespace, env: Mapping[str, str] | None = None
     return {
         "model_dir": model_dir, "num_workers": num_workers, "attach": args.worker,
         "host": args.host, "port": args.port, "backend": args.backend, "redis_url": args.redis,
+        "gateway_procs": args.gateway_procs,
         "worker_args": engine_argv(args),
         "limits": HttpLimits(
             header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
@@ -238,6 +239,9 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="backend of the spawned workers")
     add("--redis", metavar="URL", default=None,
         help="keep sessions in Redis (redis://host:port/db; default: in memory)")
+    add("--gateway-procs", type=int, default=1, metavar="N",
+        help="gateway processes on the port (SO_REUSEPORT), one core each; more than 1 needs "
+             "--redis (default 1)")
     add("--served-model-name", action="append", default=[], metavar="NAME",
         help="a model name clients may ask for (repeatable; the first is the one answered; "
              "default: the model directory's name)")

@@ -8,7 +8,9 @@
 - Shutdown (SIGINT or SIGTERM alike): stop accepting, let requests in flight finish for up to
   ``drain_timeout_s``, then call ``on_drain_timeout`` (the gateway fails what is left with a
   clean error) and give those requests ``END_GRACE_S`` to say so before they are cancelled.
-- ``on_started`` runs once the port is bound and serving (and the app's lifespan has started).
+- ``on_started`` runs once the port is bound and serving (and the app's lifespan has started);
+  ``on_exit`` when the first SIGINT or SIGTERM comes, before the drain (``agentgate serve``
+  passes the signal on to its other gateway processes there, so they all drain at once).
 
 The timers live in a subclass of uvicorn's httptools protocol, driven by the parser callbacks.
 """
@@ -54,11 +56,13 @@ class GatewayServer(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config, limits: HttpLimits,
                  on_started: Callable[[], None] = lambda: None,
-                 on_drain_timeout: Callable[[], None] = lambda: None) -> None:
+                 on_drain_timeout: Callable[[], None] = lambda: None,
+                 on_exit: Callable[[], None] = lambda: None) -> None:
         super().__init__(config)
         self.limits = limits
         self._on_started = on_started
         self._on_drain_timeout = on_drain_timeout
+        self._on_exit = on_exit
         self.exit_signal: int | None = None
 
     async def startup(self, sockets: Any = None) -> None:
@@ -75,6 +79,8 @@ class GatewayServer(uvicorn.Server):
             timer.cancel()
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.exit_signal is None:
+            self._on_exit()
         self.exit_signal = sig
         super().handle_exit(sig, frame)
 

@@ -1,7 +1,8 @@
 """``agentgate serve``: bind the gateway's port, start worker subprocesses
 (``python -m engine.worker``) on free ports and keep them running (``gateway.supervisor``), and
 run the gateway app on the HTTP server of ``gateway.http_server`` until SIGINT or SIGTERM; then
-drain, stop the workers and return.
+drain, stop the workers and return. With ``gateway_procs`` > 1, more gateway processes serve the
+same port (``gateway.procs``).
 
 The workers die with this process even when it is SIGKILLed (``--parent-pid``). The gateway
 process never imports torch: the engine only runs in the worker subprocesses.
@@ -12,12 +13,12 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from engine.logs import configure_logging
-from gateway.http_server import HttpLimits
+from gateway.http_server import END_GRACE_S, HttpLimits
 from gateway.supervisor import Supervisor, stop_workers
 from gateway.worker_process import (
     ANY_PORT,
@@ -47,6 +48,7 @@ def serve(
     worker_args: Sequence[str] = (),
     limits: HttpLimits | None = None,
     gateway_options: Mapping[str, Any] | None = None,
+    gateway_procs: int = 1,
 ) -> int:
     """Serve until SIGINT/SIGTERM; returns the exit status.
 
@@ -57,24 +59,29 @@ def serve(
         worker_args: extra flags for every spawned worker (``engine.worker.cli.engine_argv``).
         limits: the HTTP server's timeouts, connection cap and drain timeout.
         gateway_options: more ``GatewayConfig`` fields (timeouts, model names, CORS, secret).
+        gateway_procs: gateway processes on the port (``gateway.procs``); more than one needs
+            ``redis_url``.
 
     Raises:
-        ServeError: no ASGI server, Redis unreachable, the port taken, a worker did not start.
+        ServeError: no ASGI server, Redis unreachable or missing for several processes, the
+            port taken, a worker or a gateway process did not start.
     """
-    try:
-        from gateway.http_server import make_server
-    except ImportError:
-        raise ServeError("no ASGI server installed: pip install uvicorn httptools") from None
-    from gateway.app import GatewayConfig, create_app
+    from gateway.app import GatewayConfig
 
+    if gateway_procs < 1 or (gateway_procs > 1 and redis_url is None):
+        raise ServeError(f"--gateway-procs {gateway_procs} needs --redis: with several gateway "
+                         "processes, sessions must live in a store every process reads"
+                         if gateway_procs > 1 else f"--gateway-procs {gateway_procs}: >= 1")
     configure_logging("gateway")
     if redis_url is not None:
         _check_redis(redis_url)
-    sock = bind_socket(host, port)
+    limits = limits or HttpLimits()
+    sock = bind_socket(host, port, reuse_port=gateway_procs > 1)
     previous = signal.signal(signal.SIGTERM, _interrupt)  # NOTE: while workers start
     echo_worker_logs()
     workers: list[WorkerProcess] = []
     supervisor: Supervisor | None = None
+    gateways: Supervisor | None = None
     try:
         spawn = _spawner(model_dir, backend, worker_args)
         for i in range(num_workers):
@@ -84,16 +91,16 @@ def serve(
         endpoints = (*attach, *(w.listen for w in workers))
         cfg = GatewayConfig(model_dir=model_dir, workers=endpoints, host=host, port=port,
                             redis_url=redis_url, **(gateway_options or {}))
-        app = create_app(cfg)
-        _adopt_library_loggers()  # NOTE: after create_app, which installs Litestar's logging
-        server = make_server(
-            app, host=host, limits=limits or HttpLimits(),
-            on_started=lambda: _on_started(app, supervisor, f"http://{host}:{port}/v1",
-                                           len(endpoints)),
-            on_drain_timeout=lambda: _end_in_flight(app),
-        )
-        server.run(sockets=[sock])
+        if gateway_procs > 1:
+            gateways = _start_gateway_procs(cfg, limits, gateway_procs)
+        url = f"http://{host}:{port}/v1"
+        run_gateway(cfg, limits, sock=sock, num_processes=gateway_procs,
+                    on_started=lambda app: _on_started(app, supervisor, url, len(endpoints),
+                                                       gateway_procs),
+                    on_exit=None if gateways is None else gateways.halt)
     finally:
+        if gateways is not None:
+            gateways.stop(limits.drain_timeout_s + END_GRACE_S + 2.0)
         if supervisor is not None:
             supervisor.stop()
         stop_workers(workers)
@@ -102,9 +109,72 @@ def serve(
     return 0
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def run_gateway(
+    cfg: Any,
+    limits: HttpLimits,
+    *,
+    sock: socket.socket | None = None,
+    reuse_port: bool = False,
+    process_index: int = 0,
+    num_processes: int = 1,
+    on_started: Callable[[Any], None] = lambda app: None,
+    on_exit: Callable[[], None] | None = None,
+) -> int:
+    """Run the gateway app for ``cfg`` (a ``GatewayConfig``) on ``sock`` (bound here when None,
+    with ``SO_REUSEPORT`` when ``reuse_port``) until SIGINT/SIGTERM; ``on_started(app)`` once it
+    serves, ``on_exit()`` when the signal comes (before the drain)."""
+    try:
+        from gateway.http_server import make_server
+    except ImportError:
+        raise ServeError("no ASGI server installed: pip install uvicorn httptools") from None
+    from gateway.app import create_app
+    from gateway.procs import ProcessInfo
+
+    own = sock is None
+    sock = bind_socket(cfg.host, cfg.port, reuse_port=reuse_port) if sock is None else sock
+    try:
+        app = create_app(cfg)
+        _adopt_library_loggers()  # NOTE: after create_app, which installs Litestar's logging
+
+        def started() -> None:
+            if (metrics := app.state.get("metrics")) is not None:
+                metrics.registry.register(ProcessInfo(process_index, num_processes))
+            on_started(app)
+
+        server = make_server(app, host=cfg.host, limits=limits, on_started=started,
+                             on_drain_timeout=lambda: _end_in_flight(app),
+                             on_exit=on_exit or (lambda: None))
+        server.run(sockets=[sock])
+    finally:
+        if own:
+            sock.close()
+    return 0
+
+
+def _start_gateway_procs(cfg: Any, limits: HttpLimits, num: int) -> Supervisor:
+    """Gateway processes 1..num-1 (``gateway.procs``), supervised; stopped if one fails."""
+    from gateway.procs import spawn_gateway_proc
+
+    def spawn(worker_id: str, listen: str, events: str, cancel: threading.Event
+              ) -> WorkerProcess:
+        return spawn_gateway_proc(int(worker_id.rsplit("-", 1)[1]), cfg, limits, num, cancel)
+
+    procs: list[WorkerProcess] = []
+    try:
+        for i in range(1, num):
+            procs.append(spawn(f"gateway-{i}", "", "", threading.Event()))
+    except BaseException:
+        stop_workers(procs)
+        raise
+    gateways = Supervisor(procs, spawn, kind="gateway process")
+    gateways.start()
+    return gateways
+
+
+def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """The gateway's listening socket, bound (not yet listening) before any worker starts, so a
-    taken port fails fast and nobody takes it meanwhile.
+    taken port fails fast and nobody takes it meanwhile. ``reuse_port``: ``SO_REUSEPORT``, so
+    the other gateway processes bind the same port (the kernel spreads connections over them).
 
     Raises:
         ServeError: the address is in use or cannot be bound.
@@ -112,6 +182,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
@@ -134,11 +206,13 @@ def _spawner(model_dir: Path, backend: str, worker_args: Sequence[str]) -> Any:
     return spawn
 
 
-def _on_started(app: Any, supervisor: Supervisor, url: str, num_workers: int) -> None:
+def _on_started(app: Any, supervisor: Supervisor, url: str, num_workers: int,
+                num_procs: int) -> None:
     metrics = app.state.get("metrics")
     if metrics is not None:
         metrics.registry.register(supervisor)
-    logger.info("gateway on %s over %d worker(s)", url, num_workers)
+    logger.info("gateway on %s over %d worker(s)%s", url, num_workers,
+                f", {num_procs} gateway processes" if num_procs > 1 else "")
 
 
 def _end_in_flight(app: Any) -> None:

@@ -58,12 +58,14 @@ class Supervisor:
         spawn: how to start a replacement (see ``SpawnFn``).
     """
 
-    def __init__(self, workers: list[WorkerProcess], spawn: SpawnFn) -> None:
+    def __init__(self, workers: list[WorkerProcess], spawn: SpawnFn, kind: str = "worker") -> None:
         now = time.monotonic()
         self._slots = [_Slot(w, now) for w in workers]
         self._spawn = spawn
+        self.kind = kind  # NOTE: what the log lines call them
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="worker-supervisor", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"{kind}-supervisor".replace(
+            " ", "-"), daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -76,6 +78,13 @@ class Supervisor:
     def restarts(self) -> dict[str, int]:
         """Restarts so far by the worker's listen endpoint."""
         return {slot.worker.listen: slot.restarts for slot in self._slots}
+
+    def halt(self) -> None:
+        """Stop restarting and SIGTERM every process, without waiting (``stop`` waits)."""
+        self._stopping.set()
+        for worker in self.workers:
+            if worker.proc.poll() is None:
+                worker.proc.send_signal(signal.SIGTERM)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Stop restarting, SIGTERM every worker, SIGKILL those still up after ``timeout_s``."""
@@ -106,8 +115,8 @@ class Supervisor:
                 return
             slot.delay_s = restart_delay_s(slot.delay_s, now - slot.started_at)
             slot.restart_at = now + slot.delay_s
-            logger.error("worker %s (pid %d) %s; restarting it in %.1f s on %s",
-                         slot.worker.worker_id, slot.worker.proc.pid, describe_exit(rc),
+            logger.error("%s %s (pid %d) %s; restarting it in %.1f s on %s",
+                         self.kind, slot.worker.worker_id, slot.worker.proc.pid, describe_exit(rc),
                          slot.delay_s, slot.worker.listen)
         elif now >= slot.restart_at:
             self._restart(slot)
@@ -119,13 +128,13 @@ class Supervisor:
         except ServeError as e:
             slot.delay_s = restart_delay_s(slot.delay_s, 0.0)
             slot.restart_at = time.monotonic() + slot.delay_s
-            logger.error("worker %s did not restart (next try in %.1f s): %s",
-                         old.worker_id, slot.delay_s, e)
+            logger.error("%s %s did not restart (next try in %.1f s): %s",
+                         self.kind, old.worker_id, slot.delay_s, e)
             return
         slot.worker, slot.started_at, slot.restart_at = new, time.monotonic(), None
         slot.restarts += 1
-        logger.warning("worker %s restarted (pid %d, restart %d)", new.worker_id, new.proc.pid,
-                       slot.restarts)
+        logger.warning("%s %s restarted (pid %d, restart %d)", self.kind, new.worker_id,
+                       new.proc.pid, slot.restarts)
 
 
 def stop_workers(workers: list[WorkerProcess], timeout_s: float = STOP_TIMEOUT_S) -> None:

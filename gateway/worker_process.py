@@ -3,6 +3,7 @@ start it: ``spawn_worker`` waits for its start line and keeps its stderr (the la
 ``STDERR_KEEP_LINES`` lines; echoed to this process's stderr once ``echo_worker_logs()``)."""
 
 import collections
+import contextlib
 import os
 import re
 import signal
@@ -85,21 +86,48 @@ def spawn_worker(
         cmd += ["--replay", replay]
     if die_with_parent:
         cmd += ["--parent-pid", str(os.getpid())]
+    proc, m, lines = spawn_child(cmd, START_LINE, timeout_s, cancel,
+                                 new_session=die_with_parent, what="worker")
+    return WorkerProcess(proc, m[1], m[2], m[3], lines)
+
+
+def spawn_child(
+    cmd: Sequence[str],
+    start_line: re.Pattern[str],
+    timeout_s: float,
+    cancel: threading.Event | None = None,
+    *,
+    new_session: bool = False,
+    stdin: bytes | None = None,
+    what: str = "process",
+) -> tuple[subprocess.Popen[str], re.Match[str], collections.deque[str]]:
+    """Start ``cmd`` (``stdin`` written to it, then closed) and wait (at most ``timeout_s``) for a
+    stderr line matching ``start_line``; a thread keeps draining its stderr afterwards.
+
+    Raises:
+        ServeError: it exited, did not print the line in time (its stderr), or ``cancel`` was
+            set.
+    """
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=die_with_parent)
+                            stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
+                            start_new_session=new_session)
+    if stdin is not None:
+        assert proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):  # NOTE: it died at once: reported below
+            proc.stdin.buffer.write(stdin)  # type: ignore[attr-defined]
+            proc.stdin.close()
     lines: collections.deque[str] = collections.deque(maxlen=STDERR_KEEP_LINES)
     start: list[re.Match[str]] = []  # NOTE: the start line's match, set by the pump thread
-    threading.Thread(target=_pump, args=(proc, lines, start), daemon=True).start()
+    threading.Thread(target=_pump, args=(proc, lines, start, start_line), daemon=True).start()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
         if cancel is not None and cancel.is_set():
             break
         if start:
-            m = start[0]
-            return WorkerProcess(proc, m[1], m[2], m[3], lines)
+            return proc, start[0], lines
         time.sleep(0.05)
     WorkerProcess(proc, "?", "", "").stop()
-    raise ServeError(f"worker did not start (rc={proc.returncode}):\n{''.join(lines)}")
+    raise ServeError(f"{what} did not start (rc={proc.returncode}):\n{''.join(lines)}")
 
 
 def echo_worker_logs() -> None:
@@ -109,11 +137,11 @@ def echo_worker_logs() -> None:
 
 
 def _pump(proc: subprocess.Popen[str], lines: collections.deque[str],
-          start: list[re.Match[str]]) -> None:
+          start: list[re.Match[str]], start_line: re.Pattern[str]) -> None:
     assert proc.stderr is not None
     for line in proc.stderr:
         lines.append(line)
-        if not start and (m := START_LINE.search(line)):
+        if not start and (m := start_line.search(line)):
             start.append(m)
         if _ECHO.is_set():
             sys.stderr.write(line)
