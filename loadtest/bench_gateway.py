@@ -64,7 +64,7 @@ Session = Callable[[float, list[float]], Awaitable[None]]  # (deadline, latencie
 
 def main() -> None:
     args = _parse_args()
-    model_dir = _write_model_dir()
+    model_dir = write_model_dir()
     tokenizer = Tokenizer.from_dir(model_dir)
     worker = spawn_worker(model_dir=model_dir, backend="sim", worker_id="bench",
                           extra_args=["--cost", "zero", "--max-batched-tokens", "32768"])
@@ -149,13 +149,13 @@ async def _session_cells(args: argparse.Namespace, pid: int, port: int) -> None:
     session (the system prompt) and sends only each turn's new user message; gateway CPU per
     turn (the worker's time is not the gateway's: a zero-cost worker's is ~0)."""
     print(f"\n{SESSION_HEADER}\n{'-' * len(SESSION_HEADER)}")
-    await _wait_ready(port)
+    await wait_ready(port)
     for size_name in args.sizes:
-        convo = _conversation(SIZES[size_name])
-        await _run_mode(_session_turns(port, convo), 4, 1.0)  # NOTE: warm-up
+        convo = conversation(SIZES[size_name])
+        await run_mode(_session_turns(port, convo), 4, 1.0)  # NOTE: warm-up
         for c in args.concurrency:
             cpu0 = cpu_s(pid)
-            got = await _run_mode(_session_turns(port, convo), c, args.duration, pid)
+            got = await run_mode(_session_turns(port, convo), c, args.duration, pid)
             cpu_us = (cpu_s(pid) - cpu0) / max(got["n"], 1) * 1e6
             print(f"{size_name:>4} {c:>4} | {got['rps']:8.0f} | {cpu_us:7.0f}us | "
                   f"{got['p50']:6.2f}ms {got['p99']:7.2f}ms | {got['rss_max']:5.0f}", flush=True)
@@ -188,7 +188,7 @@ def _session_turns(port: int, convo: tuple[str, list[str]]) -> Session:
 
 async def _stream_cells(args: argparse.Namespace, cost: str, pid: int,
                         port: int) -> list[dict[str, float]]:
-    await _wait_ready(port)
+    await wait_ready(port)
     await _run_streams(port, 4, 1.0, args.stream_tokens)  # NOTE: warm-up
     idle0 = cpu_s(pid)
     await asyncio.sleep(IDLE_S)
@@ -234,26 +234,26 @@ async def _run_streams(port: int, concurrency: int, duration_s: float,
 
 async def _bench(args: argparse.Namespace, tok: Tokenizer, worker: WorkerProcess, pid: int,
                  port: int) -> list[tuple]:  # type: ignore[type-arg]
-    await _wait_ready(port)
+    await wait_ready(port)
     direct = WorkerClient(worker.listen)
     await direct.connect()
     rows = []
     print(f"\n{HEADER}\n{'-' * len(HEADER)}")
     for size_name in args.sizes:
-        convo = _conversation(SIZES[size_name])
+        convo = conversation(SIZES[size_name])
         full_us = _full_render_us(tok, convo)
         template_ids = [tok.encode_chat(_messages(convo, t, "x" * MAX_TOKENS)) for t in
                         range(TURNS)]
         system_len = len(tok.encode_chat(_messages(convo, 0, "")[:1], add_generation_prompt=False))
-        await _run_mode(_gateway_session(port, convo), 16, 1.0)  # NOTE: warm-up
+        await run_mode(gateway_session(port, convo), 16, 1.0)  # NOTE: warm-up
         for c in args.concurrency:
             rss0 = rss_mb(pid)
             cache0, cpu0 = await _scrape(port), cpu_s(pid)
-            gw = await _run_mode(_gateway_session(port, convo), c, args.duration, pid)
+            gw = await run_mode(gateway_session(port, convo), c, args.duration, pid)
             gw_cpu_us = (cpu_s(pid) - cpu0) / gw["n"] * 1e6
             cache1 = await _scrape(port)
             direct_session = _direct_session(direct, template_ids, system_len)
-            dr = await _run_mode(direct_session, c, args.duration)
+            dr = await run_mode(direct_session, c, args.duration)
             reused = cache1[0] - cache0[0]
             reuse = reused / max(reused + cache1[1] - cache0[1], 1)
             prompt_us = (cache1[2] - cache0[2]) / gw["n"] * 1e6
@@ -265,7 +265,7 @@ async def _bench(args: argparse.Namespace, tok: Tokenizer, worker: WorkerProcess
     return rows
 
 
-async def _run_mode(
+async def run_mode(
     session: Session, concurrency: int, duration_s: float, pid: int | None = None
 ) -> dict[str, float]:
     latencies: list[float] = []
@@ -287,7 +287,7 @@ async def _run_mode(
             "client_us": (time.process_time() - cpu0) / max(n, 1) * 1e6, "rss_max": peak[0]}
 
 
-def _gateway_session(port: int, convo: tuple[str, list[str]]) -> Session:
+def gateway_session(port: int, convo: tuple[str, list[str]]) -> Session:
     async def session(deadline: float, latencies: list[float]) -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         while time.perf_counter() < deadline:
@@ -359,7 +359,7 @@ def _full_render_us(tok: Tokenizer, convo: tuple[str, list[str]]) -> float:
     return (time.process_time() - t0) / (5 * TURNS) * 1e6
 
 
-async def _wait_ready(port: int, timeout_s: float = 60.0) -> None:
+async def wait_ready(port: int, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -374,7 +374,7 @@ async def _wait_ready(port: int, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(0.2)
 
 
-def _conversation(size: int) -> tuple[str, list[str]]:
+def conversation(size: int) -> tuple[str, list[str]]:
     """(system prompt, user messages) for a conversation whose last prompt is ~size chars."""
     rng = random.Random(SEED + size)
     text = " ".join(rng.choice(WORDS) for _ in range(size))
@@ -390,7 +390,7 @@ def _messages(convo: tuple[str, list[str]], turn: int, reply: str) -> list[dict[
     return [*messages, {"role": "user", "content": convo[1][turn]}]
 
 
-def _write_model_dir() -> Path:
+def write_model_dir() -> Path:
     from engine.models.checkpoint import DEMO_CONFIG
 
     out = Path(tempfile.mkdtemp(prefix="bench-gateway-"))

@@ -1,9 +1,10 @@
 """``KVEventSubscriber``: one worker's PUB stream (topics ``kv`` and ``load``) into a ``KVIndex``.
 
-A thread per worker: it receives batches, applies them under ``lock`` (share it with whoever
-calls ``KVIndex.match``), asks the worker's replay socket for the batches a gap lost, and notes
-the worker's ``instance_id`` from its load reports (a new one = a restart). Without a replay
-endpoint a gap forgets the worker's pages (``KVIndex.resync``).
+A thread per worker: it receives batches (what came in ``COALESCE_S`` at a time), applies them
+under ``lock`` (share it with whoever calls ``KVIndex.match``), asks the worker's replay socket
+for the batches a gap lost, and notes the worker's ``instance_id`` from its load reports (a new
+one = a restart). Without a replay endpoint a gap forgets the worker's pages
+(``KVIndex.resync``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 # NOTE: engine.worker.publisher.KV_TOPIC / LOAD_TOPIC; that module imports the engine (torch)
 _KV = b"kv"
 _LOAD = b"load"
+COALESCE_S = 0.005
 
 
 class KVEventSubscriber:
@@ -107,24 +109,43 @@ class KVEventSubscriber:
         """Handle one message if one arrives within ``timeout_s``; returns whether one did."""
         if not self._sub.poll(int(timeout_s * 1000)):
             return False
-        frames = self._sub.recv_multipart()
+        self._handle(self._sub.recv_multipart())
+        return True
+
+    def drain(self) -> int:
+        """Handle every message already received, without waiting; returns how many."""
+        n = 0
+        while True:
+            try:
+                frames = self._sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return n
+            self._handle(frames)
+            n += 1
+
+    # ---------------------------------------------------------------- internals
+
+    def _handle(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
             logger.warning("worker %s: KV event message of %d frames", self.worker_id, len(frames))
-            return True
+            return
         topic, seq = frames[0], int.from_bytes(frames[1], "big")
         if topic == _LOAD:
             self._on_load(frames[2])
         elif topic == _KV:
             self._on_batch(seq, frames[2])
-        return True
-
-    # ---------------------------------------------------------------- internals
 
     def _run(self) -> None:
         try:
             self.catch_up()
             while not self._stop.is_set():
-                self.poll(0.1)
+                if self.poll(0.1):
+                    self.drain()
+                    # NOTE: at most one wake-up per COALESCE_S: a worker publishes a batch per
+                    # step, and each wake-up of this thread is a GIL hand-off with the event
+                    # loop; the router predicts its own dispatches, so a few ms of staleness
+                    # cost it nothing
+                    self._stop.wait(COALESCE_S)
                 idle_s = time.monotonic() - self._last_batch_s
                 if self._replay_endpoint is not None and idle_s > self._catch_up_s:
                     # NOTE: a lost last batch shows no gap until another comes: ask anyway

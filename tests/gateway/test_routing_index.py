@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 import tracemalloc
 
 from engine.hashing import page_hashes
@@ -226,3 +227,39 @@ def test_per_page_swa_events_credit_any_page_end_with_a_live_window() -> None:
     index.apply("w0", 4, _batch(BlockRemoved(block_hashes=[CHAIN[6], CHAIN[5]]),
                                 _stored(CHAIN[5:7], CHAIN[4])))
     assert index.match(CHAIN) == {"w0": MatchResult(7, 3)}, "a re-stored page has no SWA yet"
+
+
+def test_the_subscriber_drains_every_queued_batch_in_one_wake_up() -> None:
+    """``KVEventSubscriber.drain`` (its thread calls it after each wake-up, then pauses
+    ``COALESCE_S``): batches published while it slept are all applied, in order, without
+    waiting; a wire message it cannot read is skipped, not fatal."""
+    import zmq
+
+    from gateway.routing import KVEventSubscriber
+
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    index = KVIndex(PAGE)
+    sub = KVEventSubscriber(index, "w0", f"tcp://127.0.0.1:{port}", context=ctx)
+    try:
+        for _ in range(100):  # NOTE: bounded: the slow joiner's subscription takes a moment
+            pub.send_multipart([b"load", (0).to_bytes(8, "big"), b"x"])
+            if sub.poll(0.05):
+                break
+        else:
+            raise AssertionError("the subscription never came up")
+        sub.drain()  # NOTE: the warm-up's other load messages
+        pub.send_multipart([b"kv", (0).to_bytes(8, "big"), encode_batch(_batch(
+            _stored(CHAIN[:3])))])
+        pub.send_multipart([b"kv"])  # NOTE: malformed: skipped
+        pub.send_multipart([b"kv", (1).to_bytes(8, "big"), encode_batch(_batch(
+            _stored(CHAIN[3:5], CHAIN[2])))])
+        time.sleep(0.3)  # NOTE: loopback: all three have arrived by then
+        assert sub.drain() == 3
+        assert sub.drain() == 0
+        assert index.num_pages == 5 and index.next_seq("w0") == 2
+        assert index.match(CHAIN)["w0"].full_pages == 5
+    finally:
+        sub.stop()
+        pub.close(linger=0)
