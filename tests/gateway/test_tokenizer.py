@@ -438,3 +438,55 @@ def test_stream_decoder_feed_many_matches_feed(
     for a, b in zip(bounds, bounds[1:], strict=False):
         assert many.feed_many(ids[a:b]) == "".join(one.feed(t) for t in ids[a:b]), (ids, a, b)
     assert many.flush() == one.flush()
+
+
+_FAST_PATH_TEMPLATE = (
+    "{% for m in messages %}{{ loop.index }}{{ loop.first }}{{ loop.last }}"
+    "{% if loop.previtem %}<{{ loop.previtem.role }}>{% endif %}{{ loop.cycle('a', 'b') }}"
+    "{{ m.role }}:{{ m.content }}|{{ m.name is defined }}|{{ m.get('name', '-') }}"
+    "|{{ m.items() | list | length }}|{{ m['role'] }}|{{ m.keys | string | length > 0 }}"
+    "{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "s"}, {"role": "user", "content": "u", "name": "n"},
+     {"role": "assistant", "content": "a", "items": "shadowed key"}],
+])
+def test_the_templates_fast_attribute_path_renders_what_the_sandbox_does(
+    messages: list[dict[str, str]],
+) -> None:
+    """``template._ChatEnvironment`` answers ``dict`` and ``loop`` attributes without the
+    sandbox's checks: the same text as the plain sandbox, dict methods (``get``, ``items``,
+    even shadowed by a key) still resolve as methods, a missing key is undefined."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from gateway.tokenizer.template import compile_chat_template
+
+    plain = ImmutableSandboxedEnvironment().from_string(_FAST_PATH_TEMPLATE)
+    fast = compile_chat_template(_FAST_PATH_TEMPLATE)
+    assert fast.render(messages=messages) == plain.render(messages=messages)
+
+
+@pytest.mark.parametrize("expr", ["m.__class__.__mro__", "loop._iterator", "m.__init__",
+                                  "m.update({'role': 'x'})", "loop.__class__.__init__",
+                                  "m.clear()", "loop._after"])
+def test_the_fast_attribute_path_keeps_the_sandbox(expr: str) -> None:
+    """Underscore names and mutating dict methods take the sandbox's path: the same refusal
+    (``SecurityError``) or the same empty undefined as the plain sandbox, never the object."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from gateway.tokenizer.template import compile_chat_template
+
+    source = "{% for m in messages %}{{ " + expr + " }}{% endfor %}"
+
+    def outcome(template: Any) -> str:
+        try:
+            return "text:" + template.render(messages=[{"role": "user", "content": "x"}])
+        except Exception as exc:  # noqa: BLE001 - the outcome compared is the exception's type
+            return f"raised:{type(exc).__name__}"
+
+    fast = outcome(compile_chat_template(source))
+    assert fast == outcome(ImmutableSandboxedEnvironment().from_string(source))
+    assert fast in ("text:", "raised:SecurityError"), fast
