@@ -165,25 +165,31 @@ def build_generate(
 
 
 def route_request(
-    dispatcher: Dispatcher, generate: Generate, affinity_key: str | None = None
+    dispatcher: Dispatcher, generate: Generate, affinity_key: str | None = None,
+    conversation: int | None = None,
 ) -> RouteRequest:
     """What the router needs to place ``generate``: its routable page hashes (salted by its
     ``cache_salt``, computed incrementally per affinity key) and its affinity key.
 
     The affinity key is ``affinity_key`` (the OpenAI path's hint: a session header,
     ``prompt_cache_key`` or ``user``; see ``gateway.affinity_keys``), else the request's session
-    id (a Sessions API turn), prefixed by the tenant so that tenants never share one.
+    id (a Sessions API turn), prefixed by the tenant so that tenants never share one. Without
+    one, ``conversation`` (the prompt cache's name of a stateless chat) keys the incremental
+    hashing only: a client that resends its history without any hint is hashed O(new pages)
+    a turn too, and routed by its pages alone.
     """
     tenant = generate.cache_salt or ANONYMOUS
     if affinity_key is None and generate.session_id is not None:
         affinity_key = f"session:{generate.session_id}"
     key = None if affinity_key is None else f"{tenant}/{affinity_key}"
+    hash_key = key if key is not None or conversation is None else \
+        f"{tenant}/conversation:{conversation:x}"
     num_tokens = len(generate.input_ids)
     hasher = dispatcher.hasher
     hashes: Sequence[int] = ()
     if hasher is not None:
         hashes = routable_hashes(
-            hasher.hashes(generate.input_ids, generate.cache_salt, key), num_tokens,
+            hasher.hashes(generate.input_ids, generate.cache_salt, hash_key), num_tokens,
             hasher.page_size)
     return RouteRequest(
         request_id=generate.request_id, num_tokens=num_tokens, page_hashes=hashes,
@@ -204,17 +210,18 @@ def check_context(model: ModelState, num_prompt_tokens: int, param: str) -> int:
 
 
 async def start(
-    dispatcher: Dispatcher, generate: Generate, affinity_key: str | None = None
+    dispatcher: Dispatcher, generate: Generate, affinity_key: str | None = None,
+    conversation: int | None = None,
 ) -> Started:
     """Send ``generate`` (routed by ``route_request``) and wait for its first item; a
     ``DispatchError`` propagates."""
-    if affinity_key is None and generate.session_id is None and (
+    if affinity_key is None and generate.session_id is None and conversation is None and (
             len(generate.input_ids) > OFF_LOOP_HASH_TOKENS):
         # NOTE: nothing to hash incrementally by: a whole long prompt (~16 ms per 100k tokens)
         # is hashed on a thread, not on the loop every other request waits on
         route = await asyncio.to_thread(route_request, dispatcher, generate)
     else:
-        route = route_request(dispatcher, generate, affinity_key)
+        route = route_request(dispatcher, generate, affinity_key, conversation)
     stream = dispatcher.generate(generate, route)
     try:
         first = await anext(stream)

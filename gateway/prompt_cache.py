@@ -58,6 +58,9 @@ class EncodedPrompt(NamedTuple):
     token_ids: list[int]
     reused_tokens: int  # leading token ids taken from the cache, not tokenized again
     rendered_chars: int  # characters the chat template rendered for this request
+    # NOTE: names the conversation across its turns (its first two messages, tools and salt
+    # included): the key the router's page hasher extends a chain under (None: no messages)
+    conversation: int | None = None
 
 
 @dataclass(slots=True)
@@ -126,23 +129,26 @@ class PromptCache:
         cache_salt: str | None,
     ) -> EncodedPrompt:
         has_tools = bool(tools)
-        if not messages or has_tools in self._unstable:
-            return self._full(messages, tools, count_fallback=bool(messages))
+        if not messages:
+            return self._full(messages, tools, count_fallback=False)
         hashes = message_hashes(self._seed(tools, cache_salt), messages)
+        conversation = hashes[min(1, len(hashes) - 1)]
+        if has_tools in self._unstable:
+            return self._full(messages, tools, count_fallback=True, conversation=conversation)
         with self._lock:  # NOTE: entries are never mutated, only replaced: no copy needed
             num_cached, prefix_ids = self._longest_prefix(hashes)
         pieces = self._pieces.pieces(messages, tools, num_cached, prefix_ids)
         if pieces is None:
-            return self._full(messages, tools, count_fallback=True)
+            return self._full(messages, tools, count_fallback=True, conversation=conversation)
         body_ids, gen_ids, rendered_chars = pieces
         token_ids = [*prefix_ids, *body_ids, *gen_ids]
         kind = (has_tools, num_cached > 0)
         if kind not in self._verified and not self._verify(kind, messages, tools, token_ids):
-            return self._full(messages, tools, count_fallback=True)
+            return self._full(messages, tools, count_fallback=True, conversation=conversation)
         with self._lock:
             self._count(num_cached, len(prefix_ids), len(body_ids) + len(gen_ids))
             self._store(hashes, num_cached, [*prefix_ids, *body_ids])
-        return EncodedPrompt(token_ids, len(prefix_ids), rendered_chars)
+        return EncodedPrompt(token_ids, len(prefix_ids), rendered_chars, conversation)
 
     @property
     def num_entries(self) -> int:
@@ -190,6 +196,7 @@ class PromptCache:
         tools: Sequence[Mapping[str, Any]] | None,
         *,
         count_fallback: bool,
+        conversation: int | None = None,
     ) -> EncodedPrompt:
         text = self._tokenizer.apply_chat_template(messages, tools, add_generation_prompt=True)
         token_ids = self._tokenizer.encode(text)
@@ -197,7 +204,7 @@ class PromptCache:
             self.stats.misses += 1
             self.stats.fallbacks += count_fallback
             self.stats.tokenized_tokens += len(token_ids)
-        return EncodedPrompt(token_ids, 0, len(text))
+        return EncodedPrompt(token_ids, 0, len(text), conversation)
 
     def _count(self, num_cached: int, reused_tokens: int, tokenized_tokens: int) -> None:
         self.stats.tokenized_tokens += tokenized_tokens

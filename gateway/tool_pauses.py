@@ -79,9 +79,11 @@ async def start_stateless(
     affinity_key: str | None,
     messages: Sequence[Any] | None,
     salt: str | None,
+    conversation: int | None = None,
 ) -> Started:
-    """``generation.start``; when ``messages`` answer the tool calls of a retained answer, the
-    pause is learned and its retention released once this request has its first item."""
+    """``generation.start`` (``conversation``: see ``route_request``); when ``messages`` answer
+    the tool calls of a retained answer, the pause is learned and its retention released once
+    this request has its first item."""
     retention = retention_of(dispatcher)
     pause = None
     now_s = time.monotonic()
@@ -89,7 +91,7 @@ async def start_stateless(
         if (pause := retention.resumed(_stateless_key(salt, call_id), now_s)) is not None:
             break
     try:
-        return await start(dispatcher, generate, affinity_key)
+        return await start(dispatcher, generate, affinity_key, conversation)
     finally:
         retention.release(pause)
         if pause is not None:

@@ -46,6 +46,7 @@ from gateway.generation import (
 from gateway.lean_request import HttpRequest
 from gateway.lifespan import ModelState
 from gateway.logprobs import TokenTexts
+from gateway.prompt_cache import EncodedPrompt
 from gateway.schemas import (
     ChatChoice,
     ChatCompletion,
@@ -141,8 +142,10 @@ async def chat_completion(request: HttpRequest) -> Answer:
     num_chars = prompt_chars(req.messages)
     _check_prompt_chars(num_chars, model, "messages")
     salt = cache_salt(tenant_of(request))
-    input_ids = await _maybe_off_loop(request, num_chars, _chat_prompt, req, model, salt)
-    head, started = await _start(request, model, req, input_ids, "messages", salt)
+    prompt = await _maybe_off_loop(request, num_chars, _chat_prompt, req, model, salt)
+    input_ids = prompt.token_ids
+    head, started = await _start(request, model, req, input_ids, "messages", salt,
+                                 prompt.conversation)
     parse_tools = bool(req.tools) and req.tool_choice != "none"
     opts = OutputOptions(req.stop_strings, parse_tools, logprobs=bool(req.logprobs))
     if req.stream:
@@ -196,9 +199,11 @@ async def _start(
     input_ids: list[int],
     param: str,
     salt: str | None,
+    conversation: int | None = None,
 ) -> tuple[_Head, Started]:
     """Check the context (a 400 ``context_length_exceeded`` on ``param`` or the max-tokens
-    field), send the request, await its first item."""
+    field), send the request, await its first item. ``conversation``: the prompt cache's name
+    of the chat (``EncodedPrompt.conversation``), so that routing hashes only its new pages."""
     left = check_context(model, len(input_ids), param)
     check_max_tokens(req, len(input_ids), model.max_context)
     spec = to_sampling_spec(
@@ -214,7 +219,8 @@ async def _start(
     )
     # NOTE: a chat request answering a retained tool-call answer releases it (tool_pauses)
     started = await start_stateless(
-        request.app.state.dispatcher, generate, key, getattr(req, "messages", None), salt)
+        request.app.state.dispatcher, generate, key, getattr(req, "messages", None), salt,
+        conversation)
     return _Head(generate.request_id, served_names(request)[0], int(time.time())), started
 
 
@@ -297,12 +303,14 @@ def _check_vocab(token_ids: list[int], vocab_size: int | None) -> None:
             raise RequestError(msg, param=f"prompt[{i}]")
 
 
-def _chat_prompt(req: ChatCompletionRequest, model: ModelState, salt: str | None) -> list[int]:
-    """The prompt's token ids (thread-safe: ``PromptCache`` locks its state)."""
+def _chat_prompt(
+    req: ChatCompletionRequest, model: ModelState, salt: str | None
+) -> EncodedPrompt:
+    """The prompt (thread-safe: ``PromptCache`` locks its state)."""
     messages = msgspec.to_builtins(req.messages)
     tools = msgspec.to_builtins(req.tools) if req.tools else None
     try:
-        return model.prompt_cache.encode(messages, tools, cache_salt=salt).token_ids
+        return model.prompt_cache.encode(messages, tools, cache_salt=salt)
     except (jinja2.TemplateError, ValueError, TypeError) as exc:
         raise RequestError(f"messages could not be rendered: {exc}", param="messages") from None
 

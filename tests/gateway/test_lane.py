@@ -155,3 +155,19 @@ def _raw(served: Served, request: bytes) -> tuple[int, bytes]:
         while len(body) < length:
             body += sock.recv(65536)
         return int(head[9:12]), body
+
+
+def test_a_stateless_chat_without_hints_is_hashed_incrementally(served: Served) -> None:
+    """No session header, ``prompt_cache_key`` or ``user``: the prompt cache's name of the chat
+    keys the router's page hasher, so each later turn hashes only its new pages."""
+    hasher = served.app.state.dispatcher.hasher
+    messages = [{"role": "system", "content": "You are terse. " * 40},
+                {"role": "user", "content": "A unique first question for this test. " * 4}]
+    full0, incremental0 = hasher.num_full, hasher.num_incremental
+    for turn in range(3):
+        resp = served.http.post("/v1/chat/completions", json={
+            "model": "demo", "messages": messages, "max_tokens": 4})
+        assert resp.status_code == 200, resp.text
+        messages += [resp.json()["choices"][0]["message"],
+                     {"role": "user", "content": f"And turn {turn}, please. " * 8}]
+    assert (hasher.num_full - full0, hasher.num_incremental - incremental0) == (1, 2)

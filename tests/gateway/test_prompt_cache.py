@@ -303,3 +303,20 @@ def _conversations(draw: st.DrawFn) -> tuple[list[dict[str, Any]], list[dict[str
     messages = draw(st.lists(_message(), max_size=8))
     tools = draw(st.none() | st.lists(st.sampled_from([_WEATHER_TOOL, _TIME_TOOL]), max_size=2))
     return messages, tools
+
+
+def test_a_conversation_keeps_its_name_across_turns_and_nobody_shares_it(tok: Tokenizer) -> None:
+    """``EncodedPrompt.conversation`` (the router's page hasher extends a chain under it): the
+    same for every turn of one chat, another for another first question, another tenant or
+    other tools, and there for a full render too."""
+    cache = PromptCache(tok)
+    turns = [_SYSTEM, {"role": "user", "content": "Plan a trip."},
+             {"role": "assistant", "content": "Where to?"}, {"role": "user", "content": "Oslo"}]
+    names = {cache.encode(turns[:k]).conversation for k in (2, 4)}
+    assert len(names) == 1 and None not in names
+    other_question = [_SYSTEM, {"role": "user", "content": "Plan a party."}]
+    assert cache.encode(other_question).conversation not in names
+    assert cache.encode(turns[:2], cache_salt="t-other").conversation not in names
+    assert cache.encode(turns[:2], [_TIME_TOOL]).conversation not in names
+    assert cache.encode(turns[:1]).conversation is not None  # NOTE: one message: its own name
+    assert PromptCache(tok).encode(turns[:4]).conversation in names  # NOTE: not per process
