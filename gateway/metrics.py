@@ -311,6 +311,8 @@ class GatewayMetrics:
                           "the worker that its prefix cache served", labels)
         generated = _counter("worker_generated_tokens", "Completion tokens of requests finished "
                              "on the worker", labels)
+        for client in self.dispatcher.clients:  # NOTE: every worker, 0 until it serves
+            routing.worker(client.endpoint)
         for worker, tokens in sorted(routing.workers.items()):
             requests.add_metric([worker], tokens.requests)
             prompt.add_metric([worker], tokens.prompt_tokens)

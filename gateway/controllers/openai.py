@@ -79,7 +79,7 @@ PROMPT_THREADS = 2  # NOTE: large inputs at once; more would only share the same
 _T = TypeVar("_T")
 _Req = TypeVar("_Req", ChatCompletionRequest, CompletionRequest)
 # NOTE: what a generation endpoint answers: a JSON body, or the SSE events of a stream
-Answer = ChatCompletion | Completion | AsyncIterator[bytes]
+Answer = msgspec.Struct | AsyncIterator[bytes]
 
 
 class ModelsController(Controller):

@@ -46,10 +46,11 @@ from litestar.exceptions import WebSocketDisconnect
 from litestar.params import FromPath
 
 from gateway import sse
-from gateway.controllers.openai import check_model
+from gateway.controllers.openai import Answer, as_response, check_model
 from gateway.disconnect import until_disconnect
 from gateway.dispatch import Dispatcher, DispatchError
 from gateway.errors import dispatch_error
+from gateway.lean_request import HttpRequest
 from gateway.lifespan import ModelState, SessionsState
 from gateway.schemas import ErrorBody, ErrorDetail, RequestError, Usage, error_body
 from gateway.schemas.sessions import (
@@ -164,23 +165,25 @@ class SessionsController(Controller):
 
     @post("/{session_id:str}/turns", status_code=200)
     async def turn(
-        self,
-        request: Request[Any, Any, Any],
-        session_id: FromPath[str],
-        model: NamedDependency[ModelState],
-        dispatcher: NamedDependency[Dispatcher],
-        sessions: NamedDependency[SessionsState],
+        self, request: Request[Any, Any, Any], session_id: FromPath[str]
     ) -> Response[Any]:
-        req = decode_turn_request(await request.body())
-        turn = await begin_turn(
-            sessions, model, dispatcher, tenant_of(request), session_id, req
-        )
-        await _start(turn)
-        if req.stream:
-            return sse.response(_turn_sse(turn))
-        # NOTE: a non-streamed turn is awaited to its end: only a watch on receive() sees the
-        # client leave (then the turn is cancelled, recorded as such, and its lease released)
-        return Response(await until_disconnect(request, _run_to_end(turn)))
+        return as_response(await session_turn(request, session_id))
+
+
+async def session_turn(request: HttpRequest, session_id: str) -> Answer:
+    """``POST /v1/sessions/{id}/turns``: the turn's end (JSON) or its SSE events (the lane,
+    ``gateway.lane``, calls it too)."""
+    state = request.app.state
+    req = decode_turn_request(await request.body())
+    turn = await begin_turn(
+        state.sessions, state.model, state.dispatcher, tenant_of(request), session_id, req
+    )
+    await _start(turn)
+    if req.stream:
+        return _turn_sse(turn)
+    # NOTE: a non-streamed turn is awaited to its end: only a watch on receive() sees the
+    # client leave (then the turn is cancelled, recorded as such, and its lease released)
+    return await until_disconnect(request, _run_to_end(turn))
 
 
 @websocket("/v1/sessions/{session_id:str}/ws")

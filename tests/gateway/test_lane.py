@@ -171,3 +171,28 @@ def test_a_stateless_chat_without_hints_is_hashed_incrementally(served: Served) 
         messages += [resp.json()["choices"][0]["message"],
                      {"role": "user", "content": f"And turn {turn}, please. " * 8}]
     assert (hasher.num_full - full0, hasher.num_incremental - incremental0) == (1, 2)
+
+
+def test_session_turns_answer_the_same_on_the_lane_and_through_litestar(served: Served) -> None:
+    """A turn (JSON and SSE), its errors (unknown session 404, a bad body 400, a turn while one
+    runs 409 is in test_sessions), and the metric's endpoint label are the same on both paths."""
+    http = served.http
+    sid = http.post("/v1/sessions", json={}).json()["id"]
+    url = f"/v1/sessions/{sid}/turns"
+    turn = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    lane, stack = _both(http, url, turn)
+    assert lane.status_code == stack.status_code == 200, (lane.text, stack.text)
+    assert (lane.json()["turn"], stack.json()["turn"]) == (0, 1)
+    assert lane.json().keys() == stack.json().keys()
+    for bad_url, body in [("/v1/sessions/sess_nope/turns", turn), (url, {"messages": 3})]:
+        lane, stack = _both(http, bad_url, body)
+        assert 400 <= lane.status_code < 500, lane.text
+        assert (lane.status_code, lane.content) == (stack.status_code, stack.content)
+    with http.stream("POST", url, json=turn | {"stream": True}) as resp:
+        events = [ln for ln in resp.iter_lines() if ln.startswith("data: ")]
+    assert json.loads(events[0].removeprefix("data: "))["type"] == "turn_start"
+    assert json.loads(events[-1].removeprefix("data: "))["type"] == "turn_end"
+    labels = {line.split('endpoint="')[1].split('"')[0]
+              for line in http.get("/metrics").text.splitlines()
+              if line.startswith("agentgate_requests_total{") and "/turns" in line}
+    assert labels == {"/v1/sessions/{session_id}/turns"}, labels
