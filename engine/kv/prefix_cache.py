@@ -46,6 +46,8 @@ from engine.kv.node import CacheEvent, CacheStats, MatchResult, Node
 from engine.kv.retention import Retentions
 from engine.utils import cdiv
 
+HEAP_SLACK = 16  # NOTE: a heap is compacted past 2 x the cached pages + this many entries
+
 __all__ = ["CacheEvent", "CacheStats", "MatchResult", "Node", "PrefixCache"]
 
 
@@ -76,6 +78,12 @@ class PrefixCache:
         self._swa_heap: list[tuple[int, int, Node]] = []  # history SWA, by swa_access
         self._leaf_heap: list[tuple[int, int, Node]] = []  # deletable leaves, by access
         self._ckpt_heap: list[tuple[int, int, Node]] = []  # checkpoint ends, by swa_access
+        # NOTE: each heap's key and validity, for ``_compact`` (what ``_peek`` checks)
+        self._heap_rules: dict[int, tuple[Callable[[Node], int], Callable[[Node], bool]]] = {
+            id(self._swa_heap): (lambda n: n.swa_access, self._is_history),
+            id(self._leaf_heap): (lambda n: n.access, self._is_deletable),
+            id(self._ckpt_heap): (lambda n: n.swa_access, self._is_ckpt),
+        }
         self.retentions = Retentions()  # metrics only: eviction reads ``Node.retain_until``
         layout = self.allocator.layout
         self.page_size, self.window = layout.page_size, layout.window
@@ -167,7 +175,8 @@ class PrefixCache:
         node.full_refs += 1
         if swa_page is not None:
             node.swa_refs += 1
-        node.access = node.swa_access = next(self._tick)
+        node.access = next(self._tick)
+        self._set_swa_access(node, node.access)
         self._offer(node)
         return node
 
@@ -222,8 +231,7 @@ class PrefixCache:
         node.is_ckpt_end, node.is_periodic = True, periodic
         for n in node.ancestors(self.window_pages):
             n.ckpt_refs += 1
-        node.swa_access = next(self._tick)
-        self._push(self._ckpt_heap, node.swa_access, node)
+        self._set_swa_access(node, next(self._tick))
         self._emit("ckpt_stored", node)
         return True
 
@@ -418,13 +426,36 @@ class PrefixCache:
         if usable:
             end = path[usable - 1]
             for n in end.ancestors(self.window_pages):
-                n.swa_access = tick
+                self._set_swa_access(n, tick)
                 self._offer(n)
-            if end.is_ckpt_end:
-                self._push(self._ckpt_heap, tick, end)
+
+    def _set_swa_access(self, n: Node, tick: int) -> None:
+        """NOTE: a checkpoint end's heap entry is keyed by its ``swa_access``: every change of
+        it re-keys the entry (an old one is skipped as stale), or the checkpoint could never be
+        demoted again and its window's SWA pages would stay for good."""
+        n.swa_access = tick
+        if n.is_ckpt_end:
+            self._push(self._ckpt_heap, tick, n)
 
     def _push(self, heap: list[tuple[int, int, Node]], key: int, n: Node) -> None:
         heapq.heappush(heap, (key, next(self._seq), n))
+        if len(heap) > 2 * len(self._index) + HEAP_SLACK:
+            self._compact(heap)
+
+    def _compact(self, heap: list[tuple[int, int, Node]]) -> None:
+        """Drop stale entries (a node re-keyed, evicted or no longer a candidate), one entry per
+        node at most: without eviction pressure nothing pops them, and every hit pushes some.
+        NOTE: a heap is rebuilt only after it doubled past the live nodes, so O(1) a push."""
+        key, valid = self._heap_rules[id(heap)]
+        seen: set[int] = set()
+        kept = []
+        for entry in heap:
+            n = entry[2]
+            if entry[0] == key(n) and valid(n) and id(n) not in seen:
+                seen.add(id(n))
+                kept.append(entry)
+        heapq.heapify(kept)
+        heap[:] = kept
 
     def _peek(
         self,

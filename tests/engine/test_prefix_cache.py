@@ -454,3 +454,27 @@ def test_without_swa_layers_eviction_takes_one_page_at_a_time() -> None:
         assert cache._evict_one()
         assert cache.num_nodes == left
         assert cache.match(hashes, max_tokens=100).usable_tokens == left * PAGE
+
+
+def test_hits_without_pressure_keep_the_eviction_heaps_bounded() -> None:
+    """Every hit re-keys its pages in the lazy eviction heaps (old entries go stale); with no
+    memory pressure nothing pops them, so a heap is compacted once it doubles past the cached
+    pages: 2,000 hits on one checkpointed prefix leave each heap within that bound, and the
+    checkpoint is still demotable (its entry survived the compactions)."""
+    from engine.kv.prefix_cache import HEAP_SLACK
+
+    cache = _make_cache(window=8, num_chunks=64)
+    driver = _Driver(cache, {})
+    tokens = list(range(6 * PAGE))
+    first = driver.start(tokens)
+    driver.compute(first, 6)
+    driver.finish(first, checkpoint=True)
+    for _ in range(2000):
+        req = driver.start(tokens)
+        assert len(req.path) == 5  # NOTE: the last token is always recomputed
+        driver.finish(req, checkpoint=False)
+    bound = 2 * len(cache._index) + HEAP_SLACK  # noqa: SLF001
+    for heap in (cache._swa_heap, cache._leaf_heap, cache._ckpt_heap):  # noqa: SLF001
+        assert len(heap) <= bound, (len(heap), bound)
+    assert cache.evict(64, 32), "everything unpinned must be evictable"
+    assert cache.stats.dropped_checkpoints >= 1
