@@ -38,8 +38,8 @@ async def until_disconnect(request: "HttpRequest", work: Awaitable[_T]) -> _T:
     """``await work``, cancelled when the client disconnects first.
 
     NOTE: reads (and caches) the body first, so that the watcher's ``receive()`` never races the
-    handler's reading of it. Only for handlers that answer once (not for a streamed body: its
-    response listens for the disconnect itself, and two listeners would race).
+    handler's reading of it. Not around a litestar streamed body (its response listens for the
+    disconnect itself, and two listeners would race); the lane writes its streams inside one.
 
     Raises:
         ClientDisconnected: the client went away; ``work`` was cancelled and has unwound.
@@ -53,7 +53,7 @@ async def until_disconnect(request: "HttpRequest", work: Awaitable[_T]) -> _T:
     task = asyncio.current_task()
     assert task is not None, "until_disconnect() outside a task"
     gone = asyncio.Event()
-    watcher = asyncio.get_running_loop().create_task(cancel_on_disconnect(request.receive,
+    watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(request.receive,
                                                                            task, gone))
     try:
         return await work
@@ -66,9 +66,8 @@ async def until_disconnect(request: "HttpRequest", work: Awaitable[_T]) -> _T:
         watcher.cancel()
 
 
-async def cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any],
-                               gone: asyncio.Event) -> None:
-    """Waits for the client's ``http.disconnect``, then sets ``gone`` and cancels ``task``."""
+async def _cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any],
+                                gone: asyncio.Event) -> None:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":

@@ -26,7 +26,6 @@ paths run the same code. Everything else goes to litestar, and so do these paths
 configured and the request carries an ``Origin`` (litestar's CORS middleware answers those).
 """
 
-import asyncio
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -45,7 +44,7 @@ from gateway.controllers.openai import (
     completion,
 )
 from gateway.controllers.sessions import session_error, session_turn
-from gateway.disconnect import CLIENT_CLOSED_REQUEST, cancel_on_disconnect, until_disconnect
+from gateway.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, until_disconnect
 from gateway.errors import ERROR_HANDLERS
 from gateway.lean_request import HttpRequest, LeanRequest
 from gateway.request_id import HEADER as REQUEST_ID_HEADER
@@ -135,28 +134,24 @@ async def _send_error(send: Send, request: HttpRequest, exc: Exception, rid: str
 
 async def _stream(send: Send, request: HttpRequest, events: AsyncIterator[bytes],
                   rid: str) -> int:
-    """Writes the SSE events as they come; returns the status. A client that leaves cancels this
-    (499), and closing ``events`` aborts the worker request."""
-    task = asyncio.current_task()
-    assert task is not None, "_stream() outside a task"
-    gone = asyncio.Event()
-    watcher = asyncio.get_running_loop().create_task(
-        cancel_on_disconnect(request.receive, task, gone))
+    """Writes the SSE events as they come; returns the status. A client that leaves cancels the
+    writing (499, ``until_disconnect``: the only listener while the stream runs), and closing
+    ``events`` aborts the worker request."""
     try:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [*_SSE_HEADERS, (_RID, rid.encode())]})
-        async for event in events:
-            await send({"type": "http.response.body", "body": event, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await until_disconnect(request, _write_events(send, events, rid))
         return 200
-    except asyncio.CancelledError:
-        if not gone.is_set():
-            raise
-        task.uncancel()  # NOTE: our own cancel: the client left
+    except ClientDisconnected:
         return CLIENT_CLOSED_REQUEST
     finally:
-        watcher.cancel()
         await events.aclose()  # type: ignore[attr-defined]
+
+
+async def _write_events(send: Send, events: AsyncIterator[bytes], rid: str) -> None:
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [*_SSE_HEADERS, (_RID, rid.encode())]})
+    async for event in events:
+        await send({"type": "http.response.body", "body": event, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _has_origin(scope: Scope) -> bool:
