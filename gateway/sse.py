@@ -18,7 +18,6 @@ from gateway.schemas.responses import ChatCompletionChunk, ChunkChoice, ChunkDel
 _JSON = msgspec.json.Encoder()
 _SENTINEL = "\x00agentgate-content\x00"
 HEADERS = {"Cache-Control": "no-cache", "Connection": "keep-alive", "X-Accel-Buffering": "no"}
-DONE = b"data: [DONE]\n\n"
 
 
 def event(data: bytes) -> bytes:
@@ -28,7 +27,10 @@ def event(data: bytes) -> bytes:
 
 def json_event(body: object) -> bytes:
     """One SSE event carrying ``body`` as compact JSON."""
-    return b"data: " + _JSON.encode(body) + b"\n\n"
+    return event(_JSON.encode(body))
+
+
+DONE = event(b"[DONE]")
 
 
 def response(events: AsyncIterator[bytes]) -> Stream:
@@ -48,15 +50,14 @@ class ContentChunks:
 
     def __init__(self, id: str, model: str, created: int) -> None:
         choice = ChunkChoice(index=0, delta=ChunkDelta(content=_SENTINEL))
-        body = _JSON.encode(ChatCompletionChunk(id=id, model=model, created=created,
+        framed = json_event(ChatCompletionChunk(id=id, model=model, created=created,
                                                 choices=[choice]))
         marker = _JSON.encode(_SENTINEL)
-        at = body.find(marker)
-        if at < 0 or body.count(marker) != 1:
+        at = framed.find(marker)
+        if at < 0 or framed.count(marker) != 1:
             self._prefix = self._suffix = None
             return
-        self._prefix = b"data: " + body[:at]
-        self._suffix = body[at + len(marker):] + b"\n\n"
+        self._prefix, self._suffix = framed[:at], framed[at + len(marker):]
 
     def encode(self, text: str) -> bytes | None:
         if self._prefix is None:
