@@ -68,10 +68,11 @@ def serve(
     """
     from gateway.app import GatewayConfig
 
-    if gateway_procs < 1 or (gateway_procs > 1 and redis_url is None):
+    if gateway_procs < 1:
+        raise ServeError(f"--gateway-procs {gateway_procs}: must be >= 1")
+    if gateway_procs > 1 and redis_url is None:
         raise ServeError(f"--gateway-procs {gateway_procs} needs --redis: with several gateway "
-                         "processes, sessions must live in a store every process reads"
-                         if gateway_procs > 1 else f"--gateway-procs {gateway_procs}: >= 1")
+                         "processes, sessions must live in a store every process reads")
     configure_logging("gateway")
     if redis_url is not None:
         _check_redis(redis_url)

@@ -82,9 +82,7 @@ class Supervisor:
     def halt(self) -> None:
         """Stop restarting and SIGTERM every process, without waiting (``stop`` waits)."""
         self._stopping.set()
-        for worker in self.workers:
-            if worker.proc.poll() is None:
-                worker.proc.send_signal(signal.SIGTERM)
+        terminate(self.workers)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Stop restarting, SIGTERM every worker, SIGKILL those still up after ``timeout_s``."""
@@ -139,11 +137,16 @@ class Supervisor:
 
 def stop_workers(workers: list[WorkerProcess], timeout_s: float = STOP_TIMEOUT_S) -> None:
     """SIGTERM all of ``workers`` at once, then wait for each (SIGKILL after ``timeout_s``)."""
+    terminate(workers)
+    for worker in workers:
+        worker.stop(timeout_s=timeout_s)
+
+
+def terminate(workers: list[WorkerProcess]) -> None:
+    """SIGTERM each of ``workers`` still running; no waiting."""
     for worker in workers:
         if worker.proc.poll() is None:
             worker.proc.send_signal(signal.SIGTERM)
-    for worker in workers:
-        worker.stop(timeout_s=timeout_s)
 
 
 def describe_exit(returncode: int) -> str:
