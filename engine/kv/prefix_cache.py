@@ -48,6 +48,19 @@ from engine.utils import cdiv
 
 HEAP_SLACK = 16  # NOTE: a heap is compacted past 2 x the cached pages + this many entries
 
+
+class _LazyHeap(list):  # type: ignore[type-arg]
+    """``(key, seq, node)`` entries in key order (``heapq``), deleted lazily: an entry is live
+    while ``key(node)`` still equals its key and ``valid(node)`` holds; a re-keyed or no longer
+    eligible node leaves a stale entry behind, skipped when it reaches the top."""
+
+    def __init__(self, key: Callable[[Node], int], valid: Callable[[Node], bool]) -> None:
+        super().__init__()
+        self.key, self.valid = key, valid
+
+    def is_live(self, entry: tuple[int, int, Node]) -> bool:
+        return entry[0] == self.key(entry[2]) and self.valid(entry[2])
+
 __all__ = ["CacheEvent", "CacheStats", "MatchResult", "Node", "PrefixCache"]
 
 
@@ -75,15 +88,10 @@ class PrefixCache:
         self._index: dict[int, Node] = {}
         self._tick = itertools.count(1)
         self._seq = itertools.count()
-        self._swa_heap: list[tuple[int, int, Node]] = []  # history SWA, by swa_access
-        self._leaf_heap: list[tuple[int, int, Node]] = []  # deletable leaves, by access
-        self._ckpt_heap: list[tuple[int, int, Node]] = []  # checkpoint ends, by swa_access
-        # NOTE: each heap's key and validity, for ``_compact`` (what ``_peek`` checks)
-        self._heap_rules: dict[int, tuple[Callable[[Node], int], Callable[[Node], bool]]] = {
-            id(self._swa_heap): (lambda n: n.swa_access, self._is_history),
-            id(self._leaf_heap): (lambda n: n.access, self._is_deletable),
-            id(self._ckpt_heap): (lambda n: n.swa_access, self._is_ckpt),
-        }
+        # history SWA by swa_access, deletable leaves by access, checkpoint ends by swa_access
+        self._swa_heap = _LazyHeap(lambda n: n.swa_access, self._is_history)
+        self._leaf_heap = _LazyHeap(lambda n: n.access, self._is_deletable)
+        self._ckpt_heap = _LazyHeap(lambda n: n.swa_access, self._is_ckpt)
         self.retentions = Retentions()  # metrics only: eviction reads ``Node.retain_until``
         layout = self.allocator.layout
         self.page_size, self.window = layout.page_size, layout.window
@@ -282,7 +290,7 @@ class PrefixCache:
         Returns the number of SWA pages freed. Full KV and checkpoints stay.
         """
         freed = 0
-        while node := self._pop(self._swa_heap, lambda n: n.swa_access, self._is_history):
+        while node := self._pop(self._swa_heap):
             self._drop_swa(node)
             freed += 1
         return freed
@@ -301,16 +309,16 @@ class PrefixCache:
     # ---------------------------------------------------------------- eviction internals
 
     def _evict_one(self, ignore_retention: bool = False) -> bool:
-        node = self._pop(self._swa_heap, lambda n: n.swa_access, self._is_history)
+        node = self._pop(self._swa_heap)
         if node is not None:
             self._drop_swa(node)
             return True
         now = self.clock()
-        retained: list[tuple[list[tuple[int, int, Node]], tuple[int, int, Node]]] = []
+        retained: list[tuple[_LazyHeap, tuple[int, int, Node]]] = []
         try:
             while True:
-                leaf = self._peek(self._leaf_heap, lambda n: n.access, self._is_deletable)
-                ckpt = self._peek(self._ckpt_heap, lambda n: n.swa_access, self._is_ckpt)
+                leaf = self._peek(self._leaf_heap)
+                ckpt = self._peek(self._ckpt_heap)
                 if leaf is None and ckpt is None:
                     return False
                 use_leaf = ckpt is None or (leaf is not None and leaf[0] <= ckpt[0])
@@ -437,46 +445,35 @@ class PrefixCache:
         if n.is_ckpt_end:
             self._push(self._ckpt_heap, tick, n)
 
-    def _push(self, heap: list[tuple[int, int, Node]], key: int, n: Node) -> None:
+    def _push(self, heap: _LazyHeap, key: int, n: Node) -> None:
         heapq.heappush(heap, (key, next(self._seq), n))
         if len(heap) > 2 * len(self._index) + HEAP_SLACK:
             self._compact(heap)
 
-    def _compact(self, heap: list[tuple[int, int, Node]]) -> None:
-        """Drop stale entries (a node re-keyed, evicted or no longer a candidate), one entry per
-        node at most: without eviction pressure nothing pops them, and every hit pushes some.
-        NOTE: a heap is rebuilt only after it doubled past the live nodes, so O(1) a push."""
-        key, valid = self._heap_rules[id(heap)]
+    @staticmethod
+    def _compact(heap: _LazyHeap) -> None:
+        """Drop stale entries, one entry per node at most: without eviction pressure nothing
+        pops them, and every hit pushes some. NOTE: a heap is rebuilt only after it doubled past
+        the cached pages, so O(1) a push."""
         seen: set[int] = set()
         kept = []
         for entry in heap:
-            n = entry[2]
-            if entry[0] == key(n) and valid(n) and id(n) not in seen:
-                seen.add(id(n))
+            if heap.is_live(entry) and id(entry[2]) not in seen:
+                seen.add(id(entry[2]))
                 kept.append(entry)
         heapq.heapify(kept)
         heap[:] = kept
 
-    def _peek(
-        self,
-        heap: list[tuple[int, int, Node]],
-        key: Callable[[Node], int],
-        valid: Callable[[Node], bool],
-    ) -> tuple[int, int, Node] | None:
+    @staticmethod
+    def _peek(heap: _LazyHeap) -> tuple[int, int, Node] | None:
         while heap:
-            k, _, n = heap[0]
-            if k == key(n) and valid(n):
+            if heap.is_live(heap[0]):
                 return heap[0]
             heapq.heappop(heap)  # stale entry
         return None
 
-    def _pop(
-        self,
-        heap: list[tuple[int, int, Node]],
-        key: Callable[[Node], int],
-        valid: Callable[[Node], bool],
-    ) -> Node | None:
-        entry = self._peek(heap, key, valid)
+    def _pop(self, heap: _LazyHeap) -> Node | None:
+        entry = self._peek(heap)
         if entry is None:
             return None
         heapq.heappop(heap)
