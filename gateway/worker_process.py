@@ -18,6 +18,7 @@ from pathlib import Path
 ANY_PORT = "tcp://127.0.0.1:0"
 START_LINE = re.compile(r"worker (\S+) listening on (\S+), events on (\S+)")
 START_TIMEOUT_S = 120.0
+PUMP_DRAIN_S = 1.0  # NOTE: how long a dead child's last stderr lines may take to be read
 STDERR_KEEP_LINES = 1000  # NOTE: a worker logs for as long as it runs: keep a bounded tail
 
 
@@ -102,7 +103,8 @@ def spawn_child(
     what: str = "process",
 ) -> tuple[subprocess.Popen[str], re.Match[str], collections.deque[str]]:
     """Start ``cmd`` (``stdin`` written to it, then closed) and wait (at most ``timeout_s``) for a
-    stderr line matching ``start_line``; a thread keeps draining its stderr afterwards.
+    stderr line matching ``start_line``; a thread keeps draining its stderr afterwards. A child
+    that printed it is returned even if it has exited since.
 
     Raises:
         ServeError: it exited, did not print the line in time (its stderr), or ``cancel`` was
@@ -118,9 +120,17 @@ def spawn_child(
             proc.stdin.close()
     lines: collections.deque[str] = collections.deque(maxlen=STDERR_KEEP_LINES)
     start: list[re.Match[str]] = []  # NOTE: the start line's match, set by the pump thread
-    threading.Thread(target=_pump, args=(proc, lines, start, start_line), daemon=True).start()
+    pump = threading.Thread(target=_pump, args=(proc, lines, start, start_line), daemon=True)
+    pump.start()
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            # NOTE: its last lines may still be in the pipe: a child that printed its start line
+            # and died since is started (the caller's supervisor sees the exit), not refused
+            pump.join(PUMP_DRAIN_S)
+            if start:
+                return proc, start[0], lines
+            break
         if cancel is not None and cancel.is_set():
             break
         if start:

@@ -185,3 +185,20 @@ def test_parent_watch_thread_notices_a_killed_parent(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_child_that_started_and_died_at_once_is_returned_not_refused() -> None:
+    """``spawn_child`` saw the start line, then the child died before its next poll (CI: a test
+    SIGKILLed a gateway process that already served while ``serve`` still waited): it is a
+    started child whose exit the supervisor handles, not one that "did not start"."""
+    import re
+
+    from gateway.worker_process import spawn_child
+
+    child = ("import os, signal, sys; print('ready to serve', file=sys.stderr, flush=True); "
+             "os.kill(os.getpid(), signal.SIGKILL)")
+    for _ in range(5):  # NOTE: bounded; each run dies at once
+        proc, match, _lines = spawn_child([sys.executable, "-c", child],
+                                          re.compile(r"ready to (\w+)"), 30.0)
+        assert match[1] == "serve"
+        assert proc.wait(10) == -9
