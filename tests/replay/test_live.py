@@ -21,6 +21,7 @@ from replay.live import (
     replay_live,
     replay_model_dict,
 )
+from replay.metrics import RequestRecord
 from replay.sim_worker import replay_model_config
 from replay.workloads import TraceRequest, agent_workload, new_tokens
 
@@ -92,6 +93,20 @@ def test_live_model_is_the_harness_geometry(tmp_path: Path) -> None:
     assert token < LIVE_VOCAB_SIZE and OUTPUT_TEXT == "a"
 
 
+def _cached_by_sibling_group(records, requests) -> set[tuple[str, int, int]]:
+    """``(parent, cached tokens, n-th such value)`` per request: one element per request,
+    equal between two runs exactly when each parent's children got the same cached-token
+    counts in some order. ``^`` of two runs holds two elements per disagreeing request."""
+    parent = {r.request_id: r.parent or r.request_id for r in requests}
+    seen: dict[tuple[str, int], int] = {}
+    out = set()
+    for rec in records:
+        key = (parent[rec.request_id], rec.cached_tokens)
+        seen[key] = seen.get(key, 0) + 1
+        out.add((*key, seen[key]))
+    return out
+
+
 def test_live_agrees_with_in_process(no_leftover_processes: None) -> None:
     """Same slice, same router (``session-hash``: the same placement both ways), 2 workers:
     every request's cached tokens agree, so the hit rate does (the issue: within 2 points).
@@ -107,10 +122,12 @@ def test_live_agrees_with_in_process(no_leftover_processes: None) -> None:
         (r.request_id, r.reason) for r in result.live.records if r.status != "ok"]
     assert sim.hit_rate > 0.5, "the slice must exercise the cache"
     assert result.agreement.hit_rate_points <= 2.0, result.agreement.line()
-    cached_live = {r.request_id: r.cached_tokens for r in result.live.records}
-    cached_sim = {r.request_id: r.cached_tokens for r in result.sim.records}
-    mismatched = {k: (cached_live[k], v) for k, v in cached_sim.items() if cached_live[k] != v}
-    assert len(mismatched) <= 1, mismatched
+    # Siblings fanned out from one parent start within milliseconds of each other, closer
+    # than a loaded box's jitter: which of them the worker prefills first (and so which one
+    # reuses the other's pages) is a race live, so siblings are compared as a multiset.
+    mismatched = _cached_by_sibling_group(result.live.records, result.requests) ^ (
+        _cached_by_sibling_group(result.sim.records, result.requests))
+    assert len(mismatched) <= 2, sorted(mismatched)
     assert 0.7 * sim.ttft_p50_s <= live.ttft_p50_s <= 3 * sim.ttft_p50_s + 0.3, (
         result.agreement.line())
     doc = result.to_dict()
@@ -161,3 +178,16 @@ def test_a_gateway_that_cannot_start_is_a_clear_error(no_leftover_processes: Non
     with pytest.raises(RuntimeError, match="agentgate serve exited") as err:
         replay_live(_agent_slice()[:2], tiny, router=None)
     assert "budget" in str(err.value)
+
+
+def test_sibling_groups_forgive_a_swap_and_nothing_else() -> None:
+    reqs = [TraceRequest("p", "s", "default", 0.0, None, 0.0, False, (1,), 16, 4),
+            *(TraceRequest(c, c, "default", None, "p", 0.1, True, (2,), 32, 4) for c in "ab")]
+
+    def run(**cached: int) -> set:
+        return _cached_by_sibling_group(
+            [RequestRecord(k, 0.0, 32, cached_tokens=v) for k, v in cached.items()], reqs)
+
+    assert run(p=0, a=16, b=32) == run(p=0, b=16, a=32)
+    assert len(run(p=0, a=16, b=32) ^ run(p=0, a=16, b=16)) == 2
+    assert len(run(p=0, a=16, b=32) ^ run(p=16, a=16, b=32)) == 2
