@@ -99,8 +99,11 @@ def test_global_is_one_worker_with_n_times_the_budget(runs: dict[str, ReplayResu
     assert len(runs["round-robin"].worker_ids) == CFG.num_workers
     spec = CFG.worker_spec("global")
     assert spec.kv_budget_tokens == CFG.num_workers * CFG.kv_budget_tokens
-    one = CFG.worker_spec("round-robin").cost
-    assert spec.cost.step_time(100, 3, 0) == pytest.approx(one.step_time(100, 3, 0) / 4)
+    # N x the work in one step of one worker's length: N x the throughput, and a request's
+    # step (so its decode speed) no faster than the hardware's
+    one, n = CFG.worker_spec("round-robin").cost, CFG.num_workers
+    assert spec.cost.step_time(n * 100, n * 3, n * 50) == pytest.approx(one.step_time(100, 3, 50))
+    assert spec.cost.step_time(0, 1, 0) > one.step_overhead_s
     s = runs["global"].summary  # "per worker" = per N workers' worth of pool
     per_worker = s.prompt_tokens / s.makespan_s / CFG.num_workers
     assert s.input_tokens_per_s_per_worker == pytest.approx(per_worker)
