@@ -18,7 +18,7 @@ import inspect
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from litestar.exceptions import HTTPException
+from litestar.exceptions import HTTPException, InternalServerException
 from litestar.types import Receive
 
 if TYPE_CHECKING:
@@ -34,6 +34,20 @@ class ClientDisconnected(HTTPException):
     status_code = CLIENT_CLOSED_REQUEST
 
 
+async def read_body(request: "HttpRequest") -> bytes:
+    """The request's body (read once, then cached).
+
+    Raises:
+        ClientDisconnected: the client left before the whole body came (a 499, not a 500).
+    """
+    try:
+        return await request.body()
+    except InternalServerException:
+        # NOTE: litestar's Request.stream raises this for one reason only: an ``http.disconnect``
+        # before the last body chunk (the lane's LeanRequest raises ClientDisconnected itself)
+        raise ClientDisconnected(detail="client closed request") from None
+
+
 async def until_disconnect(request: "HttpRequest", work: Awaitable[_T]) -> _T:
     """``await work``, cancelled when the client disconnects first.
 
@@ -45,7 +59,7 @@ async def until_disconnect(request: "HttpRequest", work: Awaitable[_T]) -> _T:
         ClientDisconnected: the client went away; ``work`` was cancelled and has unwound.
     """
     try:
-        await request.body()
+        await read_body(request)
     except BaseException:
         if inspect.iscoroutine(work):
             work.close()  # NOTE: never started; closing it spares a "never awaited" warning

@@ -47,7 +47,7 @@ from litestar.params import FromPath
 
 from gateway import sse
 from gateway.controllers.openai import Answer, as_response, check_model
-from gateway.disconnect import until_disconnect
+from gateway.disconnect import read_body, until_disconnect
 from gateway.dispatch import Dispatcher, DispatchError
 from gateway.errors import dispatch_error
 from gateway.lean_request import HttpRequest
@@ -121,7 +121,7 @@ class SessionsController(Controller):
         model: NamedDependency[ModelState],
         sessions: NamedDependency[SessionsState],
     ) -> SessionObject:
-        req = decode_session_create(await request.body())
+        req = decode_session_create(await read_body(request))
         if req.model is not None:
             check_model(request, req.model)
         messages = [message_dict(m) for m in req.messages]
@@ -174,7 +174,7 @@ async def session_turn(request: HttpRequest, session_id: str) -> Answer:
     """``POST /v1/sessions/{id}/turns``: the turn's end (JSON) or its SSE events (the lane,
     ``gateway.lane``, calls it too)."""
     state = request.app.state
-    req = decode_turn_request(await request.body())
+    req = decode_turn_request(await read_body(request))
     turn = await begin_turn(
         state.sessions, state.model, state.dispatcher, tenant_of(request), session_id, req
     )
