@@ -1,37 +1,37 @@
 """The SWA invariants end to end on the engine (DESIGN.md "The SWA invariants", issue 3).
 
 Native backend on tiny checkpoints where the tokens matter (the prefix cache must never change a
-greedy token), the sim backend where only the page bookkeeping does (hypothesis workloads).
+greedy token): O(W) SWA pages over a long generation, multi-turn sessions, window-safe hits; the
+sim backend where only the page bookkeeping does (checkpoints under a running window). The random
+workloads are in test_engine_swa_property.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import hypothesis.strategies as st
 import pytest
 import torch
-from hypothesis import HealthCheck, event, example, given, settings
 
-from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.kv.layout import KVLayout, PageKind, num_pages
-from engine.kv.prefix_cache import Node
+from engine.kv.layout import KVLayout, num_pages
 from engine.llm import LLM, RequestOutput
 from engine.model_config import ModelConfig
-from engine.models.checkpoint import mimo_config
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduled
-from engine.sequence import Sequence, Status
-from engine.sim import ZERO_COST
+from engine.sequence import Sequence
 from engine.utils import cdiv
-
-FULL, SWA = PageKind.FULL, PageKind.SWA
-FINISH_REASONS = {"stop", "length", "abort", "error"}
+from tests.engine.swa_helpers import (
+    FULL,
+    SWA,
+    Workload,
+    assert_pool_empty_after_flush,
+    make_sim,
+    step_chunks,
+)
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -106,7 +106,7 @@ def test_long_generation_holds_o_w_swa_pages_and_linear_full_pages(
     assert max(s[2] for s in run.steps) >= cdiv(LONG_WINDOW, LONG_PAGE), "window never filled"
     preempted = run.engine.scheduler.num_preemptions
     assert preempted == 0, f"{preempted} preemptions: history SWA was not given back under pressure"
-    _assert_pool_empty_after_flush(run.engine)
+    assert_pool_empty_after_flush(run.engine)
 
 
 def test_long_generation_tokens_match_cache_off_and_contiguous_reference(
@@ -181,20 +181,20 @@ def test_hit_past_evicted_swa_resumes_from_the_earlier_checkpoint(make_checkpoin
     for prompt, out in ((turn2, out2), (branch, hit), (again, hit_again)):
         [ref] = off.generate([prompt], _greedy(len(out.token_ids)))
         assert out.token_ids == ref.token_ids, f"prompt of {len(prompt)}: cache changed tokens"
-    _assert_pool_empty_after_flush(on.engine)
+    assert_pool_empty_after_flush(on.engine)
 
 
 def test_checkpoint_under_a_running_window_does_not_fail_a_request_that_fits() -> None:
     """Turn 2 resumes at turn 1's checkpoint (24) and ends 10 tokens later, its window still on
     the checkpoint's end. The budget holds exactly turn 2's last step: full pages for [0, 33) and
     SWA pages 4..8 for [19, 33) = 9 + 5 chunks; the checkpoint's pages 2 and 3 must go."""
-    engine = _make_sim(_Workload("FSSF", window=13, swa_kv_heads=1, budget_chunks=14,
-                                 max_num_batched_tokens=16, cache=True, requests=()))
+    engine = make_sim(Workload("FSSF", window=13, swa_kv_heads=1, budget_chunks=14,
+                               max_num_batched_tokens=16, cache=True, requests=()))
     turn1 = engine.make_sequence("t1", list(range(100, 120)), SamplingParams(max_new_tokens=5))
     _run_to_completion(engine, [turn1], max_steps=50)
     prompt = [*turn1.prompt_ids, *turn1.output_ids, 1, 2, 3]
     turn2 = engine.make_sequence("t2", prompt, SamplingParams(max_new_tokens=6))
-    assert _step_chunks(engine, len(prompt) + 6 - 2) == (14, 14)
+    assert step_chunks(engine, len(prompt) + 6 - 2) == (14, 14)
     _run_to_completion(engine, [turn2], max_steps=50)
     assert turn2.num_cached == 24, f"turn 2 resumed at {turn2.num_cached}"
     assert turn2.finish_reason == "length", f"turn 2 fits in 14 chunks: {turn2.finish_reason}"
@@ -204,115 +204,19 @@ def test_checkpoint_scanned_while_pinned_stays_evictable() -> None:
     """Turn 2 resumes at turn 1's checkpoint (16) and pins it while memory pressure scans the
     cache; once its window moves on, the checkpoint's pages must be reclaimable again: turn 2
     needs 13 of the 14 chunks at its last step (full [0, 39) + SWA [30, 39))."""
-    engine = _make_sim(_Workload("FSSF", window=8, swa_kv_heads=1, budget_chunks=14,
-                                 max_num_batched_tokens=16, cache=True, requests=()))
+    engine = make_sim(Workload("FSSF", window=8, swa_kv_heads=1, budget_chunks=14,
+                               max_num_batched_tokens=16, cache=True, requests=()))
     turn1 = engine.make_sequence("t1", list(range(100, 112)), SamplingParams(max_new_tokens=5))
     _run_to_completion(engine, [turn1], max_steps=50)
     prompt = [*turn1.prompt_ids, *turn1.output_ids, 1, 2, 3]
     turn2 = engine.make_sequence("t2", prompt, SamplingParams(max_new_tokens=20))
-    assert _step_chunks(engine, len(prompt) + 20 - 2) == (13, 13)
+    assert step_chunks(engine, len(prompt) + 20 - 2) == (13, 13)
     engine.add(turn2)
     engine.step()
     assert turn2.num_cached == 16 and [n.depth for n in turn2.swa_pinned] == [3, 4]
     engine.cache.evict(0, engine.allocator.num_chunks)  # pressure from elsewhere: frees what it can
     _run_to_completion(engine, [], max_steps=50)
     assert turn2.finish_reason == "length", f"turn 2 fits in 14 chunks: {turn2.finish_reason}"
-
-
-# -- hypothesis: page accounting under random workloads (sim backend) -------------------------
-
-
-@dataclass(frozen=True)
-class _Req:
-    base: int  # which shared prefix
-    prefix_len: int
-    suffix_len: int
-    max_new_tokens: int
-    arrival_step: int
-    abort_step: int | None
-    priority: int
-
-
-@dataclass(frozen=True)
-class _Workload:
-    layers: str
-    window: int
-    swa_kv_heads: int  # 1: SWA pages as big as full ones; 2: twice (two full pages a chunk)
-    budget_chunks: int
-    max_num_batched_tokens: int
-    cache: bool
-    requests: tuple[_Req, ...]
-
-
-_requests = st.builds(
-    _Req,
-    base=st.integers(0, 2),
-    prefix_len=st.integers(0, 40),
-    suffix_len=st.integers(1, 12),
-    max_new_tokens=st.integers(1, 40),
-    arrival_step=st.integers(0, 12),
-    abort_step=st.none() | st.integers(0, 40),
-    priority=st.integers(0, 2),
-)
-_workloads = st.builds(
-    _Workload,
-    layers=st.sampled_from(["FSSF", "SFS", "FF"]),
-    window=st.sampled_from([4, 8, 13]),
-    swa_kv_heads=st.sampled_from([1, 2]),
-    budget_chunks=st.integers(4, 32),
-    max_num_batched_tokens=st.sampled_from([4, 8, 16, 64]),
-    cache=st.booleans(),
-    requests=st.lists(_requests, min_size=1, max_size=10).map(tuple),
-)
-
-
-_TINY = _Req(base=0, prefix_len=0, suffix_len=1, max_new_tokens=1, arrival_step=0,
-             abort_step=None, priority=0)
-# NOTE: found by CI: r6's window-safe hit at page 3 touched the checkpoint ending at page 0 (r5's)
-# as part of its window; the checkpoint heap's entry for it went stale and was never renewed, so
-# that checkpoint's SWA page could no longer be demoted, and r6, alone, failed at its last token
-# with one chunk short of the 16 it needed.
-_STALE_CHECKPOINT_ENTRY = _Workload(
-    layers="FSSF", window=13, swa_kv_heads=1, budget_chunks=16, max_num_batched_tokens=4,
-    cache=True, requests=(
-        _TINY, _TINY, _TINY, _TINY, dataclasses.replace(_TINY, arrival_step=1),
-        _Req(base=1, prefix_len=4, suffix_len=1, max_new_tokens=1, arrival_step=2,
-             abort_step=None, priority=1),
-        _Req(base=1, prefix_len=20, suffix_len=12, max_new_tokens=10, arrival_step=0,
-             abort_step=None, priority=0)),
-)
-
-
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@example(_STALE_CHECKPOINT_ENTRY)
-@given(_workloads)
-def test_random_workloads_never_leak_or_double_use_pages(workload: _Workload) -> None:
-    engine = _make_sim(workload)
-    seqs: list[Sequence] = []  # built on arrival (ties in the queue go by construction order)
-    finished: dict[str, str] = {}
-    last_arrival = max(r.arrival_step for r in workload.requests)
-    for step in range(3000):
-        for i, req in enumerate(workload.requests):
-            if req.arrival_step == step:
-                seqs.append(_make_workload_seq(engine, i, req))
-                engine.add(seqs[-1])
-            if req.abort_step == step and req.arrival_step <= step:
-                aborted = engine.abort(f"r{i}")
-                _record_finished([aborted] if aborted is not None else [], finished)
-        if step > last_arrival and not engine.has_work:
-            break
-        _record_finished(engine.step(), finished)
-        _assert_pages_accounted(engine, seqs)
-    else:
-        pytest.fail(f"not done after 3000 steps: {engine.stats()}")
-    lost = {s.request_id for s in seqs} - set(finished)
-    assert not lost and len(seqs) == len(workload.requests), f"never finished: {lost}"
-    for seq in seqs:
-        _assert_fit_decides_error(engine, seq)
-        if seq.finish_reason == "length":
-            assert len(seq.output_ids) == seq.params.max_new_tokens
-    _note_coverage(engine, finished)
-    _assert_pool_empty_after_flush(engine)
 
 
 # -- builders --------------------------------------------------------------------------------
@@ -370,26 +274,6 @@ def _evict_swa_history(engine: Engine) -> int:
     return len(history)
 
 
-def _make_sim(w: _Workload) -> Engine:
-    model_config = ModelConfig.from_dict(mimo_config(
-        layers=w.layers, sliding_window=w.window, swa_num_key_value_heads=w.swa_kv_heads
-    ))
-    layout = KVLayout.from_model(model_config, 4, 2)
-    cfg = EngineConfig(backend="sim", page_size=4,
-                       kv_budget_bytes=w.budget_chunks * layout.chunk_bytes,
-                       max_num_batched_tokens=w.max_num_batched_tokens,
-                       enable_prefix_cache=w.cache, max_running_requests=4)
-    return Engine(cfg, model_config=model_config, cost=ZERO_COST)
-
-
-def _make_workload_seq(engine: Engine, i: int, req: _Req) -> Sequence:
-    base = [random.Random(req.base).randrange(300) for _ in range(40)]
-    tail = [random.Random(1000 + i).randrange(300) for _ in range(req.suffix_len)]
-    params = SamplingParams(max_new_tokens=req.max_new_tokens, temperature=0.0)
-    return engine.make_sequence(f"r{i}", base[: req.prefix_len] + tail, params,
-                                priority=req.priority)
-
-
 def _observe_steps(engine: Engine, observe: Callable[[list[Scheduled]], None]) -> None:
     """Call ``observe(batch)`` inside every step: pages reserved, the forward not yet run."""
     inner = engine.runner.run
@@ -411,100 +295,6 @@ def _run_to_completion(engine: Engine, seqs: list[Sequence], max_steps: int) -> 
     raise AssertionError(f"not done after {max_steps} steps: {engine.stats()}")
 
 
-def _record_finished(seqs: list[Sequence], finished: dict[str, str]) -> None:
-    for seq in seqs:
-        if not seq.is_finished:
-            continue
-        assert seq.request_id not in finished, f"{seq.request_id} finished twice"
-        assert seq.finish_reason in FINISH_REASONS, f"{seq.request_id}: {seq.finish_reason!r}"
-        finished[seq.request_id] = seq.finish_reason
-
-
-def _note_coverage(engine: Engine, finished: dict[str, str]) -> None:
-    """What the workload exercised (``--hypothesis-show-statistics``)."""
-    stats = engine.cache.stats
-    for reason in sorted(set(finished.values())):
-        event(f"finish {reason}")
-    for name, happened in (("preemption", engine.scheduler.num_preemptions),
-                           ("cache hit", stats.matched_tokens), ("window cut", stats.cut_tokens),
-                           ("eviction", stats.evicted_full_pages + stats.evicted_swa_pages)):
-        if happened:
-            event(name)
-
-
 def _first_difference(a: list[int], b: list[int]) -> int | None:
     diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
     return diff[0] if diff else (None if len(a) == len(b) else min(len(a), len(b)))
-
-
-# -- assertions ------------------------------------------------------------------------------
-
-
-def _assert_pool_empty_after_flush(engine: Engine) -> None:
-    assert not engine.has_work, f"requests left: {engine.stats()}"
-    engine.flush_cache()
-    used = engine.allocator.used_bytes
-    assert used == 0, f"{used} bytes in use after every request finished and the cache flushed"
-    assert engine.cache.num_nodes == 0, f"{engine.cache.num_nodes} nodes left after flush"
-
-
-def _assert_pages_accounted(engine: Engine, seqs: list[Sequence]) -> None:
-    """Used pages == pages the tree or a request owns; each owned once and really allocated."""
-    nodes: dict[int, Node] = {id(n): n for n in engine.cache.nodes()}
-    for seq in engine.scheduler.running:
-        for n in seq.path:  # with the cache off, only the requests know their nodes
-            nodes.setdefault(id(n), n)
-    owned: dict[PageKind, list[int]] = {FULL: [], SWA: []}
-    for n in nodes.values():
-        assert n.alive, f"a freed node is still referenced: {n}"
-        owned[FULL].append(n.full_page)
-        if n.swa_page is not None:
-            owned[SWA].append(n.swa_page)
-    for seq in seqs:
-        if seq.status is not Status.RUNNING:
-            assert not (seq.path or seq.pending_full or seq.pending_swa or seq.swa_pinned), (
-                f"{seq.request_id} ({seq.status.value}) still holds pages"
-            )
-            continue
-        owned[FULL] += seq.pending_full
-        owned[SWA] += seq.pending_swa
-        have = len(seq.path) + len(seq.pending_full)
-        want = num_pages(seq.num_computed, engine.cfg.page_size)
-        assert have == want, f"{seq.request_id}: {have} full pages for {seq.num_computed} tokens"
-    alloc = engine.allocator
-    for kind, ids in owned.items():
-        dup = sorted({p for p in ids if ids.count(p) > 1})
-        assert not dup, f"{kind.name} pages {dup} are owned twice"
-        used = alloc.num_used_pages(kind)
-        assert used == len(ids), f"{kind.name}: {used} pages allocated, {len(ids)} owned (leak)"
-        alloc._check_in_use(kind, ids)  # raises on an owned page that was freed  # noqa: SLF001
-
-
-def _assert_fit_decides_error(engine: Engine, seq: Sequence) -> None:
-    """"error" only for a request that cannot fit alone; "length" only for one that can.
-
-    A one-token step at position c holds full pages for [0, c] and SWA pages for [c - W, c]; in
-    chunks that is at least the packed count (pages share chunks) and at most one chunk a page.
-    """
-    total = len(seq.prompt_ids) + seq.params.max_new_tokens
-    needs = [_step_chunks(engine, c) for c in range(total - 1)]
-    num_chunks = engine.allocator.num_chunks
-    if seq.finish_reason == "error":
-        worst = max(unpacked for _, unpacked in needs)
-        assert worst > num_chunks, (
-            f"{seq.request_id} failed, but {total} tokens need at most {worst} of "
-            f"{num_chunks} chunks"
-        )
-    if seq.finish_reason == "length":
-        packed, _ = needs[-1]
-        assert packed <= num_chunks, f"{seq.request_id} finished in {num_chunks} < {packed} chunks"
-
-
-def _step_chunks(engine: Engine, c: int) -> tuple[int, int]:
-    """(packed, unpacked) chunks that a one-token step at position c holds."""
-    alloc, page = engine.allocator, engine.cfg.page_size
-    full = num_pages(c + 1, page)
-    swa = full - max(0, c - engine.kv.window) // page if engine.kv.has_swa else 0
-    packed = cdiv(full, alloc.slots_per_chunk(FULL))
-    packed += cdiv(swa, alloc.slots_per_chunk(SWA)) if swa else 0
-    return packed, full + swa

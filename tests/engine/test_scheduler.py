@@ -23,6 +23,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Overloaded, Scheduled
 from engine.sequence import Sequence, Status
 from engine.sim import ZERO_COST
+from tests.engine.swa_helpers import assert_pool_empty_after_flush
 
 PAGE = 4
 
@@ -119,7 +120,7 @@ def test_admission_waits_for_free_memory_and_loses_nothing() -> None:
     assert most_running <= 2, f"{most_running} requests ran at once in a 2-request budget"
     assert [s.finish_reason for s in seqs] == ["length"] * 5
     assert all(len(s.output_ids) == 12 for s in seqs)
-    _assert_pool_empty_after_flush(engine)
+    assert_pool_empty_after_flush(engine)
 
 
 @pytest.mark.parametrize("cache", [True, False], ids=["cache-on", "cache-off"])
@@ -137,7 +138,7 @@ def test_request_larger_than_the_budget_fails_instead_of_hanging(
     assert huge.finish_reason == "error", f"{huge.finish_reason} after {len(huge.output_ids)}"
     assert failed == ["huge"], f"step() reported failures {failed}"
     assert before.finish_reason == after.finish_reason == "length"
-    _assert_pool_empty_after_flush(engine)
+    assert_pool_empty_after_flush(engine)
 
 
 @pytest.mark.parametrize("cache", [True, False], ids=["cache-on", "cache-off"])
@@ -147,7 +148,7 @@ def test_a_request_that_fits_alone_runs_even_if_one_chunk_would_not(cache: bool)
     seq = _add(engine, "fits", 120, 4)
     _step_until_done(engine, 100)
     assert seq.finish_reason == "length", f"{seq.finish_reason}: the chunk should have shrunk"
-    _assert_pool_empty_after_flush(engine)
+    assert_pool_empty_after_flush(engine)
 
 
 # -- preemption --------------------------------------------------------------------------------
@@ -178,7 +179,7 @@ def test_preemption_when_decodes_run_out_keeps_greedy_tokens(
         assert tuple(seq.output_ids) == ref.token_ids, (
             f"{seq.request_id} (preempted {seq.num_preemptions}x) differs from an unconstrained run"
         )
-    _assert_pool_empty_after_flush(llm.engine)
+    assert_pool_empty_after_flush(llm.engine)
 
 
 # -- priorities --------------------------------------------------------------------------------
@@ -236,7 +237,7 @@ def test_abort_releases_pages_of_waiting_and_running_requests(cache: bool) -> No
         assert engine.allocator.used_bytes == 0, "cache off: an abort must free everything"
     assert engine.abort("running") is None and engine.abort("nobody") is None
     assert not engine.has_work and engine.step() == []
-    _assert_pool_empty_after_flush(engine)
+    assert_pool_empty_after_flush(engine)
 
 
 # -- stop conditions and the bounded queue -----------------------------------------------------
@@ -252,7 +253,7 @@ def test_stop_token_ends_only_its_request(tiny_model_dir: Path) -> None:
     outs = llm.generate(prompts, [_greedy(12, stop_token_ids=(stop,)), _greedy(12)])
     assert outs[0].token_ids == free[0].token_ids[: first + 1] and outs[0].finish_reason == "stop"
     assert outs[1].token_ids == free[1].token_ids and outs[1].finish_reason == "length"
-    _assert_pool_empty_after_flush(llm.engine)
+    assert_pool_empty_after_flush(llm.engine)
 
 
 def test_the_waiting_queue_is_bounded() -> None:
@@ -344,10 +345,3 @@ def _assert_decodes_first(batch: list[_Entry], where: str) -> None:
     kinds = ["decode" if e.is_decode else "prefill"
              for e in batch if e.is_decode or e.query_len > 1]
     assert kinds == sorted(kinds), f"{where}: a prefill chunk went before a decode: {batch}"
-
-
-def _assert_pool_empty_after_flush(engine: Engine) -> None:
-    assert not engine.has_work, f"requests left: {engine.stats()}"
-    engine.flush_cache()
-    used = engine.allocator.used_bytes
-    assert used == 0, f"{used} bytes in use after every request finished and the cache flushed"
