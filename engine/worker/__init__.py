@@ -1,6 +1,8 @@
 """The engine worker process: one ``Engine`` behind ZeroMQ (``python -m engine.worker``).
 
     server.py        the ``Worker``: the ROUTER request loop around an ``Engine``
+    requests.py      ``RequestManager``: each client request's life (admit, compile, emit, end)
+    replies.py       ``ReplySender``: replies to clients, batched per step, never blocking
     cli.py           the command line (flags, signals, the start line); torch-free until ``run``
     config.py        ``WorkerConfig``, the worker's own settings
     clients.py       ``ClientWatch``: which clients are still there

@@ -1,5 +1,5 @@
 """The worker's admission of a ``Generate``: the checks that refuse it with an ``ErrorReply``, and
-the step that turns it into an engine request (``engine.worker.server`` calls both)."""
+the step that turns it into an engine request (``engine.worker.requests`` calls both)."""
 
 from __future__ import annotations
 

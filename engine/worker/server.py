@@ -3,7 +3,9 @@
     python -m engine.worker --listen tcp://127.0.0.1:5555 --events tcp://127.0.0.1:5556 \\
         [--model DIR] [--backend native|sim] [--replay tcp://...] [...]   (see --help)
 
-The command line (flags, signals, the start line) is ``engine.worker.cli``.
+The command line (flags, signals, the start line) is ``engine.worker.cli``; each request's life
+(admission, grammar waits, streams, ends) is ``engine.worker.requests``, and the sending of replies
+(one message per client a step) ``engine.worker.replies``.
 
 Clients are DEALER sockets sending single-frame ``engine.protocol`` messages; every reply goes to
 the identity that sent the message. Message flow:
@@ -48,12 +50,9 @@ model's step time (``--cost``), so a sim worker paces like a real one (``--cost 
 
 from __future__ import annotations
 
-import itertools
 import logging
-import math
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -63,49 +62,32 @@ import zmq
 from engine.config import EngineConfig
 from engine.cost import COST_PRESETS
 from engine.engine import Engine
-from engine.grammar import GrammarMatcher
 from engine.model_config import ModelConfig
 from engine.protocol import (
     PROTOCOL_VERSION,
     Abort,
     ClientMsg,
-    ErrorCode,
-    ErrorReply,
-    Finished,
     Flush,
     Generate,
     GetLoad,
     Hello,
     LoadReport,
     ProtocolError,
-    Replies,
     Retain,
-    TokenDelta,
     Welcome,
-    WorkerMsg,
     decode_client,
-    encode,
 )
-from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from engine.worker.admission import add_to_engine, check_generate
 from engine.worker.clients import ClientWatch
 from engine.worker.config import COSTS, WorkerConfig
-from engine.worker.grammar_jobs import Failed, GrammarJobs
-from engine.worker.publisher import KVEventBuffer, RequestStream, WorkerPublisher, load_report
+from engine.worker.grammar_jobs import GrammarJobs
+from engine.worker.publisher import KVEventBuffer, WorkerPublisher, load_report
+from engine.worker.replies import ReplySender
+from engine.worker.requests import RequestManager
 
 __all__ = ["COSTS", "Worker", "WorkerConfig"]  # NOTE: the config lives in engine.worker.config
 
-_BATCHED = (TokenDelta, Finished, ErrorReply)  # request replies: one Replies per client a step
 logger = logging.getLogger(__name__)
-
-@dataclass(frozen=True, slots=True)
-class _Compiling:
-    """A Generate whose grammar is compiling (not in the engine yet)."""
-
-    identity: bytes
-    msg: Generate
-    params: SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,17 +110,10 @@ class Worker:
         self._init_engine(engine_cfg, model_config)
         self._init_sockets()
         self._welcome = self._make_welcome()
-        self._requests: dict[str, RequestStream] = {}  # by engine request id
-        self._compiling: dict[str, _Compiling] = {}  # by engine request id
-        # NOTE: (identity, request_id) -> engine id, for requests in either dict above
-        self._by_client: dict[tuple[bytes, str], str] = {}
-        # NOTE: the same for finished requests, as many as the engine remembers ends (Retain)
-        self._finished: OrderedDict[tuple[bytes, str], str] = OrderedDict()
+        self._replies = ReplySender(self._router)
+        self._requests = RequestManager(cfg, self.engine, self._grammars, self._replies)
         self._clients = ClientWatch(cfg.client_timeout_s)
-        self._ids = itertools.count()
         self._held: _HeldStep | None = None
-        # NOTE: while _emit runs, client identity -> the replies it collects (None otherwise)
-        self._batch: dict[bytes, list[TokenDelta | Finished | ErrorReply]] | None = None
         self._stopping = False
         self._last_load = 0.0
         self._stepped = False
@@ -152,7 +127,7 @@ class Worker:
         while not self._stopping:
             if self._router.poll(self._poll_timeout_ms()):
                 self._drain_messages()
-            self._admit_compiled()
+            self._requests.admit_compiled()
             self._advance()
             self._drop_silent_clients()
             self._publish()
@@ -234,12 +209,12 @@ class Worker:
         self._clients.seen(identity, time.monotonic())
         if len(frames) != 2:
             text = f"expected one frame per message, got {len(frames) - 1}"
-            self._reply(identity, ErrorReply(request_id=None, code="bad_message", message=text))
+            self._replies.error(identity, None, "bad_message", text)
             return
         try:
             msg = decode_client(frames[1])
         except ProtocolError as e:
-            self._reply(identity, ErrorReply(request_id=None, code="bad_message", message=str(e)))
+            self._replies.error(identity, None, "bad_message", str(e))
             return
         try:
             self._dispatch(identity, msg)
@@ -247,131 +222,38 @@ class Worker:
             logger.exception("failed to handle a %s message", type(msg).__name__)
             request_id = getattr(msg, "request_id", None)
             if request_id is not None:
-                self._drop(identity, request_id)
-            self._error(identity, request_id, "internal", f"{type(e).__name__} in the worker")
+                self._requests.drop(identity, request_id)
+            self._replies.error(identity, request_id, "internal",
+                                f"{type(e).__name__} in the worker")
 
     def _dispatch(self, identity: bytes, msg: ClientMsg) -> None:
         match msg:
             case Hello():
                 self._on_hello(identity, msg)
             case Generate():
-                self._on_generate(identity, msg)
+                self._requests.generate(identity, msg)
             case Abort():
-                self._on_abort(identity, msg)
+                self._requests.abort(identity, msg)
             case Retain():
-                self._on_retain(identity, msg)
+                self._requests.retain(identity, msg)
             case GetLoad():
-                self._reply(identity, self._load_report())
+                self._replies.send(identity, self._load_report())
             case Flush():
                 self.engine.flush_cache()
-                self._reply(identity, self._load_report())
+                self._replies.send(identity, self._load_report())
 
     def _on_hello(self, identity: bytes, msg: Hello) -> None:
         if msg.version != PROTOCOL_VERSION:
             text = f"worker speaks protocol version {PROTOCOL_VERSION}, client {msg.version}"
-            self._error(identity, None, "version_mismatch", text)
+            self._replies.error(identity, None, "version_mismatch", text)
             return
-        self._reply(identity, self._welcome)
-
-    def _on_generate(self, identity: bytes, msg: Generate) -> None:
-        rid = msg.request_id
-        if (identity, rid) in self._by_client:
-            self._error(identity, rid, "duplicate_request", f"request {rid!r} is still running")
-            return
-        params = check_generate(msg, self.engine, self.cfg.max_grammar_bytes)
-        if isinstance(params, ErrorReply):
-            self._reply(identity, params)
-            return
-        engine_id = f"{next(self._ids)}:{rid}"
-        spec = params.structured
-        grammar = None if spec is None else self.engine.grammars.cached(spec)
-        if spec is not None and grammar is None:
-            self._compile(identity, msg, params, engine_id)
-            return
-        self._admit(identity, msg, params, engine_id, grammar)
-
-    def _compile(self, identity: bytes, msg: Generate, params: SamplingParams,
-                 engine_id: str) -> None:
-        """Queue the request's grammar; ``_admit_compiled`` admits it once compiled."""
-        if len(self._compiling) >= self.cfg.max_compiling_requests:
-            text = f"{len(self._compiling)} requests are waiting for their grammars to compile"
-            self._error(identity, msg.request_id, "overloaded", text)
-            return
-        assert params.structured is not None
-        self._grammars.submit(engine_id, params.structured)
-        self._compiling[engine_id] = _Compiling(identity, msg, params)
-        self._by_client[(identity, msg.request_id)] = engine_id
-
-    def _admit_compiled(self) -> None:
-        for result in self._grammars.poll():
-            pending = self._compiling.pop(result.request_id, None)
-            if pending is None:
-                continue  # NOTE: aborted or dropped meanwhile
-            self._by_client.pop((pending.identity, pending.msg.request_id), None)
-            if isinstance(result, Failed):
-                self._error(pending.identity, pending.msg.request_id, result.code, result.message)
-            else:
-                self._admit(pending.identity, pending.msg, pending.params, result.request_id,
-                            result.grammar)
-
-    def _admit(self, identity: bytes, msg: Generate, params: SamplingParams, engine_id: str,
-               grammar: GrammarMatcher | None) -> None:
-        """Build the request (its grammar, if any, already compiled) and hand it to the engine."""
-        rid = msg.request_id
-        seq = add_to_engine(self.engine, msg, params, engine_id, grammar)
-        if isinstance(seq, ErrorReply):
-            self._reply(identity, seq)
-            return
-        self._requests[engine_id] = RequestStream(
-            identity, rid, seq, stream_interval_s=msg.stream_interval_s,
-            last_sent_s=time.monotonic(),
-        )
-        self._by_client[(identity, rid)] = engine_id
-
-    def _on_abort(self, identity: bytes, msg: Abort) -> None:
-        engine_id = self._by_client.get((identity, msg.request_id))
-        if engine_id is None:
-            return  # NOTE: finished already, never sent, or another client's: nothing to do
-        if engine_id in self._compiling:
-            self._abort_compiling(engine_id)
-            return
-        self.engine.abort(engine_id)
-        self._finish(self._requests[engine_id])
-
-    def _on_retain(self, identity: bytes, msg: Retain) -> None:
-        """Keep (or release) the end checkpoint of one of this client's finished requests."""
-        engine_id = self._finished.get((identity, msg.request_id))
-        if engine_id is None:
-            return  # NOTE: never finished here, forgotten, or another client's: ignored
-        if not 0.0 <= msg.ttl_s < math.inf:  # NOTE: False for NaN
-            logger.warning("ignored a Retain of %r with ttl_s=%r", msg.request_id, msg.ttl_s)
-            return
-        self.engine.retain(engine_id, msg.ttl_s)
-
-    def _abort_compiling(self, engine_id: str) -> None:
-        """End a request still waiting for its grammar (its compile goes on if shared)."""
-        pending = self._compiling[engine_id]
-        self._forget(pending.identity, pending.msg.request_id)
-        self._reply(pending.identity, Finished(
-            request_id=pending.msg.request_id, finish_reason="abort",
-            prompt_tokens=len(pending.msg.input_ids), completion_tokens=0,
-        ))
+        self._replies.send(identity, self._welcome)
 
     def _drop_silent_clients(self) -> None:
         """Abort every request of a client that has been silent for ``client_timeout_s``."""
         gone = set(self._clients.silent(time.monotonic()))
-        if not gone:
-            return
-        dropped = [e for (identity, _), e in self._by_client.items() if identity in gone]
-        for engine_id in dropped:
-            if engine_id in self._compiling:
-                self._abort_compiling(engine_id)
-            else:
-                self.engine.abort(engine_id)
-                self._finish(self._requests[engine_id])
-        if dropped:
-            logger.warning("aborted %d request(s) of %d client(s) silent for %g s",
-                           len(dropped), len(gone), self.cfg.client_timeout_s)
+        if gone:
+            self._requests.drop_clients(gone)
 
     # ------------------------------------------------------------------ engine steps
 
@@ -381,107 +263,31 @@ class Worker:
             if time.monotonic() < self._held.ready_at:
                 return
             held, self._held = self._held, None
-            self._emit(held.seqs)
+            self._requests.emit(held.seqs)
         if not self.engine.has_work:
             return
         start, sim_start = time.monotonic(), self._sim_clock_s()
         try:
             seqs = self.engine.step()
         except Exception:
-            logger.exception("engine step failed; failing %d requests", len(self._requests))
-            self._fail_all()
+            logger.exception("engine step failed; failing %d requests",
+                             self._requests.num_running)
+            self._held = None
+            self._requests.fail_all()
             return
         self._stepped = True
         delay_s = self._sim_clock_s() - sim_start
         if delay_s > 0:
             self._held = _HeldStep(seqs, start + delay_s)
         else:
-            self._emit(seqs)
+            self._requests.emit(seqs)
 
-    def _emit(self, seqs: list[Sequence]) -> None:
-        """Send a step's deltas and ends: one message per client (``Replies`` when several)."""
-        now_s = time.monotonic()
-        self._batch = batch = {}
-        try:
-            for seq in seqs:
-                req = self._requests.get(seq.request_id)
-                if req is None:
-                    continue  # aborted while its step was held
-                if seq.is_finished:
-                    self._finish(req)
-                elif req.is_due(now_s):
-                    self._send_delta(req)
-        finally:
-            self._batch = None
-            for identity, items in batch.items():
-                self._reply(identity, items[0] if len(items) == 1 else Replies(items=items))
-
-    def _send_delta(self, req: RequestStream) -> None:
-        delta = req.next_delta()
-        if delta is not None:
-            self._reply(req.identity, delta)
-
-    def _finish(self, req: RequestStream) -> None:
-        """Send what is left of the stream, then its one last message."""
-        self._send_delta(req)  # NOTE: tokens of a held sim step when the request is aborted
-        engine_id = self._by_client.get((req.identity, req.request_id))
-        self._forget(req.identity, req.request_id)
-        if engine_id is not None:
-            self._remember_finished((req.identity, req.request_id), engine_id)
-        self._reply(req.identity, req.last_message())
-
-    def _remember_finished(self, key: tuple[bytes, str], engine_id: str) -> None:
-        self._finished[key] = engine_id
-        self._finished.move_to_end(key)
-        while len(self._finished) > self.engine.kv.max_finished_ends:
-            self._finished.popitem(last=False)
-
-    def _fail_all(self) -> None:
-        """After an engine failure: abort every request (best effort) and tell its client."""
-        self._held = None
-        for req in list(self._requests.values()):
-            self._drop(req.identity, req.request_id)
-            self._error(req.identity, req.request_id, "internal",
-                        "the engine failed while running this request")
-
-    def _drop(self, identity: bytes, request_id: str) -> None:
-        """Forget a request after a failure, aborting it in the engine if it is still there."""
-        engine_id = self._by_client.get((identity, request_id))
-        if engine_id is None:
-            return
-        self._forget(identity, request_id)
-        try:
-            self.engine.abort(engine_id)
-        except Exception:
-            logger.exception("abort of request %r after a failure failed", request_id)
-
-    def _forget(self, identity: bytes, request_id: str) -> None:
-        engine_id = self._by_client.pop((identity, request_id), None)
-        if engine_id is not None:
-            self._requests.pop(engine_id, None)
-            if self._compiling.pop(engine_id, None) is not None:
-                self._grammars.cancel(engine_id)
-
-    # ------------------------------------------------------------------ replies and events
-
-    def _reply(self, identity: bytes, msg: WorkerMsg) -> None:
-        batch = self._batch
-        if batch is not None and type(msg) in _BATCHED:
-            batch.setdefault(identity, []).append(msg)  # NOTE: sent at the end of _emit
-            return
-        # NOTE: ROUTER drops (never blocks on) messages for a gone or too slow client
-        try:
-            self._router.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
-        except zmq.Again:
-            logger.warning("dropped a %s for a slow client", type(msg).__name__)
-
-    def _error(self, identity: bytes, request_id: str | None, code: ErrorCode, text: str) -> None:
-        self._reply(identity, ErrorReply(request_id=request_id, code=code, message=text))
+    # ------------------------------------------------------------------ load and events
 
     def _load_report(self) -> LoadReport:
         stats = self.engine.stats()
         # NOTE: a request whose grammar compiles is waiting, as far as routing is concerned
-        stats = replace(stats, num_waiting=stats.num_waiting + len(self._compiling))
+        stats = replace(stats, num_waiting=stats.num_waiting + self._requests.num_compiling)
         return load_report(self.cfg.worker_id, stats, self.instance_id)
 
     def _publish(self) -> None:
