@@ -18,7 +18,7 @@ CPU us per request (it shares the cores).
 
     python loadtest/bench_gateway.py [--sizes 2k,20k] [--concurrency 1,16,64] [--duration S]
                                      [--stream-concurrency 16,64] [--stream-tokens N]
-                                     [--no-plain] [--no-stream] [--quick]
+                                     [--no-plain] [--no-stream] [--quick] [--tokenizer bpe]
 
 Streaming cells (after the non-streamed ones): ``c`` concurrent clients each running one streamed
 chat completion after another (a short unique prompt, ``--stream-tokens`` output tokens,
@@ -47,6 +47,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import msgspec
+from bpe_tokenizer import write_bpe_tokenizer
 from httpbench import WORDS, cpu_s, free_port, post_stream, request, rss_mb
 
 from engine.protocol import Finished, Generate, SamplingSpec
@@ -64,8 +65,11 @@ Session = Callable[[float, list[float]], Awaitable[None]]  # (deadline, latencie
 
 def main() -> None:
     args = _parse_args()
-    model_dir = write_model_dir()
+    model_dir = write_model_dir(args.tokenizer)
     tokenizer = Tokenizer.from_dir(model_dir)
+    text = tokenizer.apply_chat_template(_messages(conversation(SIZES["2k"]), TURNS - 1, "."))
+    print(f"tokenizer: {args.tokenizer}, {len(text) / len(tokenizer.encode(text)):.2f} "
+          "characters a token on the 2k conversation")
     worker = spawn_worker(model_dir=model_dir, backend="sim", worker_id="bench",
                           extra_args=["--cost", "zero", "--max-batched-tokens", "32768"])
     port = free_port()
@@ -390,13 +394,17 @@ def _messages(convo: tuple[str, list[str]], turn: int, reply: str) -> list[dict[
     return [*messages, {"role": "user", "content": convo[1][turn]}]
 
 
-def write_model_dir() -> Path:
+def write_model_dir(tokenizer: str = "demo") -> Path:
+    """The benchmark's model dir: the demo model's config and the demo tokenizer (one token a
+    byte), or with ``tokenizer="bpe"`` a BPE trained here (``bpe_tokenizer.py``, ~4.5
+    characters a token as with production tokenizers; the same ids for the specials)."""
     from engine.models.checkpoint import DEMO_CONFIG
 
     out = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     write_demo_tokenizer(out)
-    (out / "config.json").write_text(json.dumps(DEMO_CONFIG | {"max_position_embeddings":
-                                                              CONTEXT}))
+    vocab = write_bpe_tokenizer(out) if tokenizer == "bpe" else DEMO_CONFIG["vocab_size"]
+    (out / "config.json").write_text(json.dumps(DEMO_CONFIG | {
+        "max_position_embeddings": CONTEXT, "vocab_size": max(vocab, DEMO_CONFIG["vocab_size"])}))
     return out
 
 
@@ -459,6 +467,9 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--no-reference", dest="reference", action="store_false",
                         help="skip the sglang-router cells (run only when it is installed)")
     parser.add_argument("--quick", action="store_true", help="--duration 3")
+    parser.add_argument("--tokenizer", choices=("demo", "bpe"), default="demo",
+                        help="demo: one token a byte (the targets' figures); bpe: trained here, "
+                        "~4.5 characters a token like production tokenizers")
     args = parser.parse_args()
     if args.quick:
         args.duration = 3.0
