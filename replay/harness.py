@@ -400,16 +400,6 @@ def _make_admission() -> Any:
 
 
 def _make_learner() -> Any:
-    try:
-        from gateway.routing.retention import PauseLearner
-    except ImportError:  # NOTE: until helper h5's PauseLearner lands: a fixed TTL
-        return _FixedTTL()
+    from gateway.routing.retention import PauseLearner
+
     return PauseLearner()
-
-
-class _FixedTTL:
-    def observe(self, tenant: str, tool_names: tuple[str, ...], pause_s: float) -> None:
-        pass
-
-    def ttl_s(self, tenant: str, tool_names: tuple[str, ...]) -> float:
-        return 60.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from gateway.routing.registry import ROUTER_NAMES, make_router
 from gateway.routing.types import Decision, RouteRequest, WorkerInfo
 
 GLOBAL = "global"
@@ -16,10 +17,6 @@ GLOBAL = "global"
 
 def policy_names() -> tuple[str, ...]:
     """The policies ``--policies`` accepts."""
-    try:
-        from gateway.routing.registry import ROUTER_NAMES
-    except ImportError:  # NOTE: until the registry (issue 9, helper h6) lands
-        return ("round-robin", GLOBAL)
     return (*ROUTER_NAMES, GLOBAL)
 
 
@@ -31,12 +28,6 @@ def make_policy(name: str, index: Any, **options: Any) -> Any:
     """
     if name == GLOBAL:
         return SingleWorker()
-    try:
-        from gateway.routing.registry import make_router
-    except ImportError:
-        if name == "round-robin":
-            return _RoundRobin()
-        raise ValueError(f"policy {name!r}: one of {', '.join(policy_names())}") from None
     if name not in policy_names():
         raise ValueError(f"policy {name!r}: one of {', '.join(policy_names())}")
     return make_router(name, index, **options)
@@ -68,13 +59,3 @@ class SingleWorker:
     def load_report(self, worker_id: str, report: object, now_s: float) -> None:
         pass
 
-
-class _RoundRobin(SingleWorker):
-    name = "round-robin"
-
-    def __init__(self) -> None:
-        self._next = 0
-
-    def route(self, req: RouteRequest, candidates: Sequence[str]) -> Decision:
-        self._next += 1
-        return Decision(candidates[(self._next - 1) % len(candidates)], reason="load")
