@@ -402,9 +402,10 @@ def write_model_dir(tokenizer: str = "demo") -> Path:
 
     out = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     write_demo_tokenizer(out)
-    vocab = write_bpe_tokenizer(out) if tokenizer == "bpe" else DEMO_CONFIG["vocab_size"]
-    (out / "config.json").write_text(json.dumps(DEMO_CONFIG | {
-        "max_position_embeddings": CONTEXT, "vocab_size": max(vocab, DEMO_CONFIG["vocab_size"])}))
+    config = DEMO_CONFIG | {"max_position_embeddings": CONTEXT}
+    if tokenizer == "bpe":
+        config["vocab_size"] = max(write_bpe_tokenizer(out), config["vocab_size"])
+    (out / "config.json").write_text(json.dumps(config))
     return out
 
 

@@ -11,17 +11,10 @@ standard library source: deterministic for a given Python installation.
 
 import json
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-from gateway.tokenizer.demo import (
-    DEMO_SPECIAL_TOKENS,
-    DEMO_VOCAB_SIZE_MIN,
-    NUM_BYTE_TOKENS,
-    byte_to_unicode,
-)
 
 NUM_MERGES = 16_000
 CORPUS_BYTES = 6_000_000  # NOTE: ~10 s of training on one core
@@ -32,29 +25,30 @@ def write_bpe_tokenizer(model_dir: Path, num_merges: int = NUM_MERGES) -> int:
     ``num_merges`` merges; returns the vocabulary size (ids past the demo's are merged tokens)."""
     path = Path(model_dir) / "tokenizer.json"
     doc = json.loads(path.read_text(encoding="utf-8"))
-    vocab, merges = _train(num_merges)
-    doc["model"]["vocab"] = vocab
-    doc["model"]["merges"] = merges
+    # NOTE: the demo's byte ids, and its specials in the model's vocabulary too (or `tokenizers`
+    # moves them past its end); each merged token after all of them
+    vocab = doc["model"]["vocab"] | {t["content"]: t["id"] for t in doc["added_tokens"]}
+    merged, merges = _train(num_merges, known=vocab.keys())
+    first = max(vocab.values()) + 1
+    vocab |= {token: first + n for n, token in enumerate(merged)}
+    doc["model"]["vocab"], doc["model"]["merges"] = vocab, merges
     path.write_text(json.dumps(doc, ensure_ascii=False) + "\n", encoding="utf-8")
-    return max(vocab.values()) + 1
+    return first + len(merged)
 
 
-def _train(num_merges: int) -> tuple[dict[str, int], list[list[str]]]:
-    """(vocab, merges): the demo's byte ids, then each merged token after the specials."""
-    alphabet = byte_to_unicode()
+def _train(num_merges: int, known: Collection[str]) -> tuple[list[str], list[list[str]]]:
+    """(the tokens the trainer merged, not in ``known``, in its order; the merges) learned from
+    ``_corpus()``."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(vocab_size=len(alphabet) + num_merges, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  initial_alphabet=alphabet)
     bpe.train_from_iterator(_corpus(), trainer)
     model = json.loads(bpe.to_str())["model"]
-    vocab = {char: byte for byte, char in alphabet.items()}
-    merged = sorted((i, t) for t, i in model["vocab"].items() if t not in vocab)
-    # NOTE: the specials in the model's vocabulary too, or `tokenizers` moves them past its end
-    vocab |= {token: NUM_BYTE_TOKENS + n for n, token in enumerate(DEMO_SPECIAL_TOKENS)}
-    vocab |= {token: DEMO_VOCAB_SIZE_MIN + n for n, (_, token) in enumerate(merged)}
+    merged = [t for _, t in sorted((i, t) for t, i in model["vocab"].items() if t not in known)]
     merges = [m.split(" ") if isinstance(m, str) else list(m) for m in model["merges"]]
-    return vocab, merges
+    return merged, merges
 
 
 def _corpus() -> Iterator[str]:
