@@ -21,7 +21,7 @@ Life of a request::
 ``global``: the upper bound of one pool: ONE sim worker with N x the KV budget, N x the step
 token budget and running-request cap, and N x the throughput: N x the tokens in one worker's
 step time (every per-token coefficient / N, the step's fixed overhead as one worker's; see
-``_faster``).
+``_pool_cost``).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class ReplayConfig:
                           checkpoint_interval_tokens=self.checkpoint_interval_tokens)
         if policy != GLOBAL:
             return spec
-        return replace(spec, kv_budget_tokens=n * spec.kv_budget_tokens, cost=_faster(cost, n),
+        return replace(spec, kv_budget_tokens=n * spec.kv_budget_tokens, cost=_pool_cost(cost, n),
                        max_batched_tokens=n * spec.max_batched_tokens,
                        max_running_requests=n * spec.max_running_requests)
 
@@ -379,7 +379,7 @@ class Replay:
         return out
 
 
-def _faster(cost: CostModel, n: int) -> CostModel:
+def _pool_cost(cost: CostModel, n: int) -> CostModel:
     """The step cost of one pool of ``n`` workers: ``n`` x the tokens in one worker's step time.
 
     The per-token terms are divided by ``n``; the step's fixed overhead is not. Dividing it too
