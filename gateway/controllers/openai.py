@@ -28,7 +28,7 @@ from litestar.params import FromPath
 from engine.protocol import Finished, TokenDelta
 from gateway import sse
 from gateway.affinity_keys import affinity_key
-from gateway.disconnect import until_disconnect
+from gateway.disconnect import read_body, until_disconnect
 from gateway.dispatch import DispatchError
 from gateway.generation import (
     ChatDelta,
@@ -186,7 +186,7 @@ async def _read(
 ) -> tuple[ModelState, _Req]:
     """The app's model and the request's body, decoded (off the loop when large) and checked."""
     model = _model(request)
-    body = await request.body()
+    body = await read_body(request)
     req = await _maybe_off_loop(request, len(body), decode, body)
     _check_request(request, req, model)
     return model, req
