@@ -61,6 +61,7 @@ from gateway.dispatch_errors import (
     WorkerError,
 )
 from gateway.metrics import RoutingStats, StreamStats
+from gateway.request_stream import Push
 from gateway.router_link import RouterFactory, RouterLink
 from gateway.routing.chain import DEFAULT_MAX_KEYS, PrefixHasher
 from gateway.routing.index import DEFAULT_MAX_PAGES, KVIndex
@@ -144,6 +145,7 @@ class Dispatcher:
         # NOTE: request id -> (the worker that finished it, its wire id), for Retain (bounded, LRU)
         self._finished_on: OrderedDict[str, tuple[WorkerClient, str]] = OrderedDict()
         self._alive_waiters: list[asyncio.Future[None]] = []
+        self._active: dict[str, _Attempt] = {}  # NOTE: request id -> its attempt in flight
         for client in self.clients:
             client.alive_listeners.append(self._wake)
 
@@ -269,7 +271,9 @@ class Dispatcher:
         stats = self.stats
         # NOTE: token timings mean something only when the worker sends every step's tokens
         timed = wire.stream_interval_s == 0
-        last_s = time.perf_counter()  # NOTE: the dispatch time, then the last delta's
+        # NOTE: its last_s is the dispatch time, then the last delta's (pushed ones included)
+        attempt = self._active[request_id] = _Attempt(client, wire.request_id, timed,
+                                                      time.perf_counter())
         wid = self.link.worker_id(client) if self.link is not None else None
         rid = wire.request_id
         try:
@@ -284,10 +288,11 @@ class Dispatcher:
                         now_s = time.perf_counter()
                         if type(item) is TokenDelta:
                             if timed:
-                                (stats.itl if started else stats.ttft).observe(now_s - last_s)
+                                (stats.itl if started else stats.ttft).observe(
+                                    now_s - attempt.last_s)
                                 if len(item.token_ids) > 1:  # NOTE: per token: these came
                                     stats.itl.observe(0.0, len(item.token_ids) - 1)  # together
-                            last_s = now_s
+                            attempt.last_s = now_s
                             if not started:
                                 self._first_token(rid, wid)
                         else:
@@ -301,7 +306,33 @@ class Dispatcher:
                     raise
                 raise _Retry(exc) from exc
         finally:
+            if self._active.get(request_id) is attempt:
+                del self._active[request_id]
             self._ended(rid, wid)
+
+    def push_to(self, request_id: str, push: Push) -> bool:
+        """Let ``push`` take ``request_id``'s next deltas straight from its worker's replies
+        while its reader waits (``RequestStream``: a plain content stream writes its chunks
+        there). Their token timings are observed as the stream's own. False when the request
+        is not in flight."""
+        attempt = self._active.get(request_id)
+        if attempt is None:
+            return False
+        stats = self.stats
+
+        def timed_push(item: TokenDelta) -> bool:
+            now_s = time.perf_counter()
+            if not push(item):
+                return False
+            stats.pushed_tokens += len(item.token_ids)
+            if attempt.timed:
+                stats.itl.observe(now_s - attempt.last_s)
+                if len(item.token_ids) > 1:
+                    stats.itl.observe(0.0, len(item.token_ids) - 1)
+            attempt.last_s = now_s
+            return True
+
+        return attempt.client.push_to(attempt.wire_id, timed_push)
 
     async def _admit(
         self, wire: Generate, route: RouteRequest, wid: str | None, decision: Decision
@@ -430,6 +461,17 @@ class Dispatcher:
     def _admission_remove(self, worker_id: str) -> None:
         if self.gate is not None:
             self.gate.remove_worker(worker_id)
+
+
+@dataclasses.dataclass(slots=True)
+class _Attempt:
+    """A request's attempt in flight: where it runs, under which wire id, and when its last
+    delta came (``timed``: the worker sends every step's tokens, so timings mean something)."""
+
+    client: WorkerClient
+    wire_id: str
+    timed: bool
+    last_s: float
 
 
 class _Retry(Exception):

@@ -20,8 +20,9 @@ them, token by token, to find that token.
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -33,6 +34,7 @@ from gateway.dispatch import Dispatcher, StreamItem
 from gateway.lifespan import ModelState
 from gateway.logprobs import TokenTexts, chat_logprobs
 from gateway.metrics import StreamStats
+from gateway.request_stream import Push
 from gateway.routing.chain import routable_hashes
 from gateway.routing.types import RouteRequest
 from gateway.schemas import (
@@ -93,9 +95,11 @@ class Started:
     stream: AsyncIterator[StreamItem]
     num_prompt_tokens: int = 0
     stats: StreamStats | None = None
+    push_to: Callable[[Push], bool] | None = None  # NOTE: ``Dispatcher.push_to`` of this request
 
     def with_stream(self, stream: AsyncIterator[StreamItem]) -> Started:
-        """The same request read through ``stream`` (which wraps ``self.stream``)."""
+        """The same request read through ``stream`` (which wraps ``self.stream``). It cannot be
+        pushed to: ``stream`` may want to see every delta."""
         return Started(self.request_id, self.first, stream, self.num_prompt_tokens, self.stats)
 
     async def items(self) -> AsyncIterator[StreamItem]:
@@ -228,11 +232,13 @@ async def start(
     except BaseException:
         await stream.aclose()  # type: ignore[attr-defined]
         raise
-    return Started(generate.request_id, first, stream, len(generate.input_ids), dispatcher.stats)
+    return Started(generate.request_id, first, stream, len(generate.input_ids), dispatcher.stats,
+                   functools.partial(dispatcher.push_to, generate.request_id))
 
 
 async def pieces(
-    started: Started, model: ModelState, stop_strings: Sequence[str]
+    started: Started, model: ModelState, stop_strings: Sequence[str],
+    decoder: StreamDecoder | None = None,
 ) -> AsyncIterator[Piece | Finished]:
     """Text pieces (stop strings applied), then a ``Finished`` (its ``finish_reason`` is "stop"
     when a stop string cut the text). Closes the stream on exit.
@@ -240,8 +246,12 @@ async def pieces(
     A stop string matched in a worker's delta ends the worker request there (``Abort``) and the
     ``Finished`` is made here: ``completion_tokens`` counts the tokens up to and including the
     one that completed the match, and the last piece holds only those tokens.
+
+    ``decoder``: the stream's detokenizer when the caller decodes some deltas itself (pushed
+    ones: ``_chat_sse``), so that both see one text.
     """
-    decoder = StreamDecoder(model.tokenizer, skip_special_tokens=True)
+    if decoder is None:
+        decoder = StreamDecoder(model.tokenizer, skip_special_tokens=True)
     stop = StopMatcher(stop_strings)
     num_tokens = 0
     try:
@@ -270,13 +280,15 @@ async def pieces(
 
 
 async def chat_deltas(
-    started: Started, model: ModelState, opts: OutputOptions
+    started: Started, model: ModelState, opts: OutputOptions,
+    decoder: StreamDecoder | None = None,
 ) -> AsyncIterator[ChatDelta | ChatEnd]:
-    """The streamed form of a chat answer: ``ChatDelta``s, then one ``ChatEnd``."""
+    """The streamed form of a chat answer: ``ChatDelta``s, then one ``ChatEnd``
+    (``decoder``: as ``pieces``)."""
     texts = TokenTexts(model.tokenizer)
     parser = ToolCallStreamParser(id_seed=started.request_id) if opts.parse_tools else None
     pending: list[TokenLogprob] = []
-    async with aclosing(pieces(started, model, opts.stop_strings)) as stream:
+    async with aclosing(pieces(started, model, opts.stop_strings, decoder)) as stream:
         async for piece in stream:
             if isinstance(piece, Finished):
                 events = parser.finish() if parser is not None else []

@@ -13,6 +13,9 @@
   passes the signal on to its other gateway processes there, so they all drain at once).
 
 The timers live in a subclass of uvicorn's httptools protocol, driven by the parser callbacks.
+The same subclass offers each request a ``gateway.sse.BodyWriter`` (ASGI extension
+``agentgate.body_writer``): a chunked response's next piece written to the transport now, as the
+cycle's own ``send`` would, without a coroutine and a message dict per piece.
 """
 
 import asyncio
@@ -23,7 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+from gateway.sse import BODY_WRITER
 
 MAX_HEAD_BYTES = 64 * 1024
 END_GRACE_S = 3.0
@@ -162,6 +167,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._state = "body"
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:
+            self.scope.setdefault("extensions", {})[BODY_WRITER] = _ChunkWriter(cycle)
         if self.parser is not None and self.parser.should_upgrade():
             self._state = None  # NOTE: a WebSocket; its protocol takes the transport over
         else:
@@ -219,3 +227,22 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+class _ChunkWriter:
+    """``gateway.sse.BodyWriter`` over a uvicorn httptools request cycle: one chunked-encoding
+    piece a write, only while the cycle's ``send`` would write at once (see ``ready``)."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self._cycle = cycle
+
+    def ready(self) -> bool:
+        cycle = self._cycle
+        return bool(cycle.response_started and cycle.chunked_encoding) and not (
+            cycle.response_complete or cycle.disconnected or cycle.flow.write_paused
+            or cycle.transport.is_closing())
+
+    def write(self, body: bytes) -> None:
+        self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))

@@ -105,7 +105,7 @@ class GatewayApp(Litestar):
                     await _send(send, 200, [_JSON_TYPE], _JSON.encode(answer), rid)
                     status = 200
                 else:
-                    status = await _stream(send, request, answer, rid)
+                    status = await _stream(send, request, answer, rid, scope)
         finally:
             if (metrics := self.state.get("metrics")) is not None:
                 metrics.http.observe(endpoint, status, time.perf_counter() - start_s)
@@ -133,12 +133,12 @@ async def _send_error(send: Send, request: HttpRequest, exc: Exception, rid: str
 
 
 async def _stream(send: Send, request: HttpRequest, events: AsyncIterator[bytes],
-                  rid: str) -> int:
+                  rid: str, scope: Scope) -> int:
     """Writes the SSE events as they come; returns the status. A client that leaves cancels the
     writing (499, ``until_disconnect``: the only listener while the stream runs), and closing
     ``events`` aborts the worker request."""
     try:
-        await until_disconnect(request, _write_events(send, events, rid))
+        await until_disconnect(request, _write_events(send, events, rid, scope))
         return 200
     except ClientDisconnected:
         return CLIENT_CLOSED_REQUEST
@@ -146,7 +146,13 @@ async def _stream(send: Send, request: HttpRequest, events: AsyncIterator[bytes]
         await events.aclose()  # type: ignore[attr-defined]
 
 
-async def _write_events(send: Send, events: AsyncIterator[bytes], rid: str) -> None:
+async def _write_events(send: Send, events: AsyncIterator[bytes], rid: str,
+                        scope: Scope) -> None:
+    """The response; an ``sse.EventStream`` also gets the server's ``BodyWriter`` (when it
+    offers one: ``gateway.http_server``) to write some events itself."""
+    writer = scope.get("extensions", {}).get(sse.BODY_WRITER)
+    if writer is not None and isinstance(events, sse.EventStream):
+        events.attach(writer)
     await send({"type": "http.response.start", "status": 200,
                 "headers": [*_SSE_HEADERS, (_RID, rid.encode())]})
     async for event in events:

@@ -101,7 +101,7 @@ class StreamStats:
     """What the ``Dispatcher`` measures per request (one ``GatewayMetrics`` reads it)."""
 
     __slots__ = ("ttft", "itl", "cached_ratio", "prompt_tokens", "cached_tokens",
-                 "generated_tokens", "num_finished")
+                 "generated_tokens", "num_finished", "pushed_tokens")
 
     def __init__(self) -> None:
         self.ttft = Histogram(LATENCY_BUCKETS_S)
@@ -111,6 +111,7 @@ class StreamStats:
         self.cached_tokens = 0
         self.generated_tokens = 0
         self.num_finished = 0
+        self.pushed_tokens = 0  # NOTE: written from the worker's reply (Dispatcher.push_to)
 
     def finished(self, item: Finished) -> None:
         self.num_finished += 1
@@ -265,6 +266,10 @@ class GatewayMetrics:
                        value=stats.cached_tokens)
         yield _counter("generated_tokens", "Completion tokens of finished requests",
                        value=stats.generated_tokens)
+        yield _counter("stream_pushed_tokens",
+                       "Streamed tokens written to their client straight from the worker's "
+                       "reply (plain content streams; the rest pass the stream's layers)",
+                       value=stats.pushed_tokens)
 
     def _workers(self) -> Iterator[Metric]:
         """NOTE: a worker that is not alive (lost, reconnecting) has ``worker_up`` 0 and no

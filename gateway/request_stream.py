@@ -6,33 +6,48 @@ delta (token ids, logprobs and top logprobs concatenated in order). A consumer t
 the worker's deltas one by one; one that fell behind (many streams on one event loop, a worker
 that produced several steps since) catches up in one pass through the layers above (stop
 strings, detokenizing, tool-call parsing, one SSE write) instead of one pass per token.
+
+Push: a consumer whose per-token work is one synchronous function (a plain content stream: decode,
+encode the chunk, write it to the connection) sets ``push``. While the consumer waits in
+``next`` with nothing queued, a delta goes to ``push`` right in the reader's callback, and
+the consumer stays parked: no future, no task switch, no pass through the generator layers. A
+delta ``push`` declines (returns False: the connection cannot take a write now) is queued as
+usual, and so is every delta while anything is queued or the consumer is busy, so the order is
+kept. The idle timer counts pushed deltas as arrivals.
 """
 
 import asyncio
+import logging
 from collections import deque
+from collections.abc import Callable
 
 from engine.protocol import ErrorReply, Finished, TokenDelta
 from gateway.dispatch_errors import DispatchError, DispatchTimeout, StreamOverflow
 
 StreamEvent = TokenDelta | Finished | ErrorReply | DispatchError
+Push = Callable[[TokenDelta], bool]  # True: the delta was consumed
+logger = logging.getLogger(__name__)
 
 
 class RequestStream:
     """What the client's reader delivers to one request (``deliver``) and its generator reads
-    (``next``). ``started``: a delta came; ``overflowed``: the consumer fell too far behind."""
+    (``next``). ``started``: a delta came; ``overflowed``: the consumer fell too far behind;
+    ``push``: see the module docstring."""
 
-    __slots__ = ("request_id", "started", "overflowed", "_items", "_num_deltas", "_waiter",
-                 "_deadline", "_timer")
+    __slots__ = ("request_id", "started", "overflowed", "push", "_items", "_num_deltas",
+                 "_waiter", "_deadline", "_timer", "_idle_s")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.started = False
         self.overflowed = False
+        self.push: Push | None = None
         self._items: deque[StreamEvent] = deque()
         self._num_deltas = 0  # unread TokenDelta messages
         self._waiter: asyncio.Future[bool] | None = None  # result: False = timed out
         self._deadline = 0.0  # loop time the current wait gives up at
         self._timer: asyncio.TimerHandle | None = None
+        self._idle_s = 0.0  # the consumer's idle timeout, for pushed deltas
 
     def deliver(self, msg: TokenDelta | Finished | ErrorReply, max_pending: int) -> None:
         """Queue a reply; past ``max_pending`` unread deltas queue a ``StreamOverflow`` instead
@@ -40,6 +55,12 @@ class RequestStream:
         if self.overflowed:
             return
         if type(msg) is TokenDelta:
+            waiter = self._waiter
+            if self.push is not None and waiter is not None and not self._items and \
+                    not waiter.done() and self._pushed(msg):
+                self.started = True
+                self._deadline = waiter.get_loop().time() + self._idle_s
+                return
             self.started = True
             if self._num_deltas >= max_pending:
                 self.overflowed = True
@@ -47,6 +68,17 @@ class RequestStream:
                 return
             self._num_deltas += 1
         self._put(msg)
+
+    def _pushed(self, msg: TokenDelta) -> bool:
+        """``push(msg)``; one that raises is dropped (logged), and ``msg`` takes the queued way:
+        a consumer's error must not reach the reader, which serves every stream of the worker."""
+        try:
+            return self.push(msg)  # type: ignore[misc]
+        except Exception:  # noqa: BLE001
+            logger.exception("%s: pushing a delta failed; its stream reads them queued now",
+                             self.request_id)
+            self.push = None
+            return False
 
     def fail(self, error: DispatchError) -> None:
         """Queue an error that ends the stream (after what is already queued)."""
@@ -57,8 +89,9 @@ class RequestStream:
         not raised) when none came in ``first_s`` (before the first delta) or ``idle_s``
         (after it)."""
         items = self._items
+        self._idle_s = idle_s
         if not items:  # NOTE: no timer when the item is already here
-            timeout_s, what = (idle_s, "next") if self.started else (first_s, "first")
+            timeout_s = idle_s if self.started else first_s
             loop = asyncio.get_running_loop()
             waiter = self._waiter = loop.create_future()
             self._deadline = loop.time() + timeout_s
@@ -71,6 +104,8 @@ class RequestStream:
             finally:
                 self._waiter = None
             if not arrived:
+                # NOTE: read after the wait: pushed deltas may have started the stream meanwhile
+                timeout_s, what = (idle_s, "next") if self.started else (first_s, "first")
                 return DispatchTimeout(
                     f"{self.request_id}: no {what} token from {worker} in {timeout_s} s")
         item = items.popleft()

@@ -65,7 +65,7 @@ from gateway.dispatch_errors import (
     WorkerDead,
     WorkerError,
 )
-from gateway.request_stream import RequestStream
+from gateway.request_stream import Push, RequestStream
 
 _NOBLOCK, _POLLIN = int(zmq.NOBLOCK), int(zmq.POLLIN)
 logger = logging.getLogger(__name__)
@@ -249,6 +249,15 @@ class WorkerClient:
                 del self._streams[rid]
             if not ended and self.is_alive and self._sock is not None:
                 self._send(Abort(request_id=rid))
+
+    def push_to(self, request_id: str, push: Push | None) -> bool:
+        """Hand ``request_id``'s deltas to ``push`` while its reader waits for them (None: stop);
+        see ``RequestStream``. False when it is not in flight here."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        stream.push = push
+        return True
 
     async def abort(self, request_id: str) -> None:
         """Ask the worker to stop ``request_id``; its stream ends with ``Finished("abort")``."""

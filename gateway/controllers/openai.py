@@ -71,6 +71,7 @@ from gateway.schemas import (
 from gateway.schemas.decode import check_logit_bias, check_max_tokens, prompt_chars
 from gateway.schemas.limits import DEFAULT_LIMITS, max_prompt_chars
 from gateway.tenancy import ANONYMOUS, cache_salt, tenant_of
+from gateway.tokenizer import StreamDecoder
 from gateway.tool_pauses import answered, start_stateless, watch_stream
 
 _JSON = msgspec.json.Encoder()
@@ -152,7 +153,8 @@ async def chat_completion(request: HttpRequest) -> Answer:
         if req.continuous_usage:
             started = _counting(started, len(input_ids))
         watch = functools.partial(watch_stream, request.app.state.dispatcher, head.id, salt)
-        return _chat_sse(head, req, started, model, opts, watch)
+        return sse.EventStream(
+            lambda out: _chat_sse(head, req, started, model, opts, watch, out))
     result = await chat_result(started, model, opts)
     answered(request.app.state.dispatcher, head.id, salt, result.message.tool_calls,
              result.finish_reason, result.usage)
@@ -339,10 +341,14 @@ async def _chat_sse(
     model: ModelState,
     opts: OutputOptions,
     watch: Callable[[AsyncIterator[Any]], AsyncIterator[Any]],
+    out: sse.EventStream | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE body; leaving it early (the client went away) aborts the worker request.
-    ``watch`` passes the events through (``tool_pauses.watch_stream``: tool-pause retention)."""
-    events = watch(chat_deltas(started, model, opts))
+    ``watch`` passes the events through (``tool_pauses.watch_stream``: tool-pause retention).
+    ``out``: the body this feeds; when it has a writer (the lane), plain content deltas are
+    written from the worker's reply, past every layer here (``_pushable``)."""
+    decoder = StreamDecoder(model.tokenizer, skip_special_tokens=True)
+    events = watch(chat_deltas(started, model, opts, decoder))
     # NOTE: a content-only delta (the common one) from bytes made once (gateway.sse)
     fast = None if isinstance(started, _CountingStarted) else \
         sse.ContentChunks(head.id, head.model, head.created)
@@ -352,6 +358,11 @@ async def _chat_sse(
 
     try:
         yield _chunk(head, ChunkDelta(role="assistant", content=""), usage=usage())
+        # NOTE: here the role chunk has been written: pushed chunks can only come after it
+        writer = None if out is None else out.writer
+        if writer is not None and fast is not None and fast.usable and _pushable(opts) and \
+                started.push_to is not None:
+            started.push_to(_content_push(decoder, fast, writer))
         async for event in events:
             logprobs = None if event.logprobs is None else ChoiceLogprobs(content=event.logprobs)
             if isinstance(event, ChatDelta):
@@ -374,6 +385,28 @@ async def _chat_sse(
     finally:
         await events.aclose()
     yield sse.DONE
+
+
+def _pushable(opts: OutputOptions) -> bool:
+    """Whether a delta's whole way to its SSE chunk is decode + encode: no stop strings to
+    match, no tool calls to parse, no logprobs to attach (usage per chunk: no ``fast``)."""
+    return not opts.stop_strings and not opts.parse_tools and not opts.logprobs
+
+
+def _content_push(decoder: StreamDecoder, fast: sse.ContentChunks,
+                  writer: sse.BodyWriter) -> Callable[[TokenDelta], bool]:
+    """A delta's content chunk written now, as ``chat_deltas`` and ``_chat_sse`` would make it
+    (an empty text makes none); declined while the writer is not ready, before decoding, so the
+    delta then takes the queued way with the decoder untouched."""
+
+    def push(item: TokenDelta) -> bool:
+        if not writer.ready():
+            return False
+        if text := decoder.feed_many(item.token_ids):
+            writer.write(fast.encode(text))  # type: ignore[arg-type]
+        return True
+
+    return push
 
 
 async def _completion(

@@ -22,6 +22,7 @@ from litestar.testing import TestClient
 
 from engine.protocol import Generate, SamplingSpec
 from gateway.app import GatewayConfig, create_app
+from gateway.http_server import GuardedHttpProtocol
 from gateway.serve import ServeError, WorkerProcess, spawn_worker
 from tests.gateway.live import WORKER_START_TIMEOUT_S, free_port
 
@@ -73,11 +74,14 @@ def app_client(worker: WorkerProcess, model_dir: Path, **cfg: Any) -> TestClient
 
 @contextlib.contextmanager
 def serve_app(cfg: GatewayConfig, timeout_s: float = 30.0) -> Iterator[Served]:
-    """``create_app(cfg)`` on uvicorn in a daemon thread, with an ``httpx.Client`` to it."""
+    """``create_app(cfg)`` on uvicorn in a daemon thread, with an ``httpx.Client`` to it. The
+    HTTP protocol is ``agentgate serve``'s own (its limits, and the ``BodyWriter`` that plain
+    content streams are written through)."""
     port = free_port()
     started = time.monotonic()
     app = create_app(cfg)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           http=GuardedHttpProtocol,
                                            timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

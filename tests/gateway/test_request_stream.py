@@ -146,3 +146,91 @@ def test_any_interleaving_of_deliveries_and_reads_keeps_every_token_in_order(
 def test_merge_sums_cached_tokens_of_the_first_delta_only_once() -> None:
     merged = merge_deltas([_delta([1], cached=16), _delta([2]), _delta([3])])
     assert merged.token_ids == [1, 2, 3] and merged.cached_tokens == 16
+
+
+# ------------------------------------------------------------------ push
+
+
+def test_push_takes_deltas_while_the_reader_waits_and_the_end_still_queues() -> None:
+    s = RequestStream(RID)
+    pushed: list[list[int]] = []
+    s.push = lambda d: pushed.append(d.token_ids) is None
+
+    async def go() -> object:
+        reader = asyncio.ensure_future(s.next(1.0, 1.0, "w"))
+        await asyncio.sleep(0)  # NOTE: the reader is parked now
+        for i in range(3):
+            s.deliver(_delta([i]), 100)
+        assert not reader.done(), "a pushed delta does not wake the reader"
+        s.deliver(_finished(3), 100)
+        return await reader
+
+    end = asyncio.run(go())
+    assert pushed == [[0], [1], [2]] and isinstance(end, Finished) and s.started
+
+
+def test_a_declined_push_queues_the_delta_and_nothing_overtakes_it() -> None:
+    s = RequestStream(RID)
+    ready = [False]
+    pushed: list[list[int]] = []
+
+    def push(d: TokenDelta) -> bool:
+        if ready[0]:
+            pushed.append(d.token_ids)
+        return ready[0]
+
+    s.push = push
+
+    async def go() -> list[object]:
+        reader = asyncio.ensure_future(s.next(1.0, 1.0, "w"))
+        await asyncio.sleep(0)
+        s.deliver(_delta([1]), 100)  # NOTE: declined: queued, wakes the reader
+        ready[0] = True
+        s.deliver(_delta([2]), 100)  # NOTE: queued too: [1] is not read yet
+        first = await reader
+        rest = asyncio.ensure_future(s.next(1.0, 1.0, "w"))
+        await asyncio.sleep(0)
+        s.deliver(_delta([3]), 100)  # NOTE: queue empty, reader parked: pushed
+        s.deliver(_finished(3), 100)
+        return [first, await rest]
+
+    first, end = asyncio.run(go())
+    assert first.token_ids == [1, 2] and pushed == [[3]] and isinstance(end, Finished)
+
+
+def test_pushed_deltas_keep_the_idle_timer_from_firing() -> None:
+    s = RequestStream(RID)
+    s.push = lambda d: True
+    s.deliver(_delta([0]), 100)  # NOTE: the first delta arrives before anybody reads
+
+    async def go() -> tuple[object, float]:
+        assert (await s.next(1.0, 0.2, "w")).token_ids == [0]
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        reader = asyncio.ensure_future(s.next(1.0, 0.2, "w"))
+        for i in range(8):  # NOTE: 0.4 s of pushes, twice the idle timeout
+            await asyncio.sleep(0.05)
+            s.deliver(_delta([i]), 100)
+        assert not reader.done(), "pushes kept coming: no idle timeout"
+        return await reader, loop.time() - start  # NOTE: then the timeout, 0.2 s after
+
+    item, waited = asyncio.run(go())
+    assert isinstance(item, DispatchTimeout) and "no next token" in str(item)
+    assert waited >= 0.55, waited
+
+
+def test_a_push_that_raises_is_dropped_and_the_delta_is_queued() -> None:
+    s = RequestStream(RID)
+
+    def push(d: TokenDelta) -> bool:
+        raise ValueError("a consumer's bug")
+
+    s.push = push
+
+    async def go() -> object:
+        reader = asyncio.ensure_future(s.next(1.0, 1.0, "w"))
+        await asyncio.sleep(0)
+        s.deliver(_delta([5]), 100)  # NOTE: must not raise into the worker's reader
+        return await reader
+
+    assert asyncio.run(go()).token_ids == [5] and s.push is None
