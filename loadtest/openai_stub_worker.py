@@ -7,7 +7,8 @@ Raw HTTP/1.1 keep-alive over stdlib asyncio. It answers what SGLang's router (``
 
 * ``POST /v1/chat/completions``: ``max_tokens`` (or ``max_completion_tokens``) tokens of content
   ``"tok "``. With ``"stream": true``: chunked SSE, one ``chat.completion.chunk`` event per token
-  (each written on its own, ``--step-ms`` apart), then a chunk with ``finish_reason: "length"``,
+  (each written on its own, one a step of ``--step-ms``, all streams on one step clock as an
+  engine batch steps them), then a chunk with ``finish_reason: "length"``,
   a usage chunk (``"choices": []``) when ``stream_options.include_usage``, then ``[DONE]``.
   Otherwise one ``chat.completion`` with the whole text and usage.
 * ``POST /generate`` (SGLang native): the same tokens as ``{"text", "meta_info"}``, streamed or not.
@@ -66,6 +67,17 @@ class StubWorker:
         finally:
             writer.close()
 
+    async def _next_step(self) -> None:
+        """Until the next step boundary: every stream's next event goes out at the same step,
+        as an engine's batch does (one decode step for all running requests), not on a clock
+        of its own. Unpaced (0): sleep(0), which still yields, so that streams interleave."""
+        step_s = self.step_s
+        if step_s <= 0:
+            await asyncio.sleep(0)
+            return
+        now = time.monotonic()
+        await asyncio.sleep(step_s - now % step_s)
+
     async def handle(self, method: bytes, path: bytes, body: bytes,
                      writer: asyncio.StreamWriter) -> None:
         if method == b"GET" and path in _GET:
@@ -106,8 +118,7 @@ class StubWorker:
                 event = _event({"text": TOKEN * (i + 1), "meta_info": _meta(rid, i + 1, None)})
             writer.write(event)
             await writer.drain()
-            # NOTE: sleep(0) still yields, so concurrent streams interleave their events
-            await asyncio.sleep(self.step_s)
+            await self._next_step()
         if chat:
             writer.write(_event({**base, "choices": [{"index": 0, "delta": {},
                                                       "finish_reason": "length"}]}))
