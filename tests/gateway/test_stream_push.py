@@ -6,16 +6,30 @@ tokens, and the same text, with the stop matcher in the path)."""
 
 import json
 import re
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from engine.protocol import TokenDelta
+from gateway import sse
+from gateway.controllers.openai import _content_push
+from gateway.lifespan import ModelState
+from gateway.tokenizer import StreamDecoder
 from tests.gateway.serve_proc import ServeProc, serve_proc
 
 NEVER = "\x07never\x07"
 PUSHED = re.compile(r"^agentgate_stream_pushed_tokens_total (\S+)$", re.M)
+
+
+@pytest.fixture(scope="module")
+def fast(sim_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProc]:
+    """A worker that steps as fast as it can: a client that stops reading fills every buffer."""
+    with serve_proc(sim_model_dir, tmp_path_factory.mktemp("push-fast"), "--cost", "zero") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +42,7 @@ def gateway(sim_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 def _stream(http: httpx.Client, content: str, **extra: object) -> list[dict]:
     body = {"model": "m", "stream": True, "max_tokens": 24, "seed": 7,
             "stream_options": {"include_usage": True},
-            "messages": [{"role": "user", "content": content}], **extra}
+            "messages": [{"role": "user", "content": content}]} | extra
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200, r.read()
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
@@ -70,3 +84,83 @@ def _ends(chunks: list[dict]) -> list[tuple[object, object]]:
     return [(c["choices"][0]["finish_reason"] if c["choices"] else None,
              {k: v for k, v in (c.get("usage") or {}).items() if k != "prompt_tokens_details"})
             for c in chunks[-2:]]
+
+
+def test_a_client_that_stops_reading_gets_every_token_in_order(fast: ServeProc) -> None:
+    """A client that reads nothing for 2 s while ~1 MB of chunks is written, then everything:
+    the text is still exactly the queued way's. (The kernel's socket buffers on loopback take
+    it all, so uvicorn's transport never pauses here; a paused transport declining a push is
+    ``test_a_push_is_declined_untouched_while_the_writer_is_not_ready``.)"""
+    body = {"model": "m", "stream": True, "max_tokens": LONG, "seed": 11,
+            "messages": [{"role": "user", "content": "A long one, please."}]}
+    with httpx.Client(base_url=fast.base_url, timeout=120) as http:
+        queued = _text(_stream(http, "A long one, please.", max_tokens=LONG, seed=11,
+                               stop=[NEVER]))
+        before = _pushed(http)
+        raw = _read_slowly(fast.port, json.dumps(body).encode())
+        pushed = _pushed(http) - before
+    events = [e[6:] for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    text = _text([json.loads(e) for e in events[:-1]])
+    assert text == queued and len(text) > 1000
+    assert pushed > 0, "the slow client's stream was pushed"
+
+
+LONG = 8000  # NOTE: the demo model's context is 8192
+
+
+def _read_slowly(port: int, body: bytes) -> bytes:
+    """POST ``body`` on a socket with a small receive buffer, read nothing for a while (the
+    gateway's writes pause), then read to the end; the de-chunked body."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(60)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        time.sleep(2.0)  # NOTE: a few hundred KB of chunks wait: the kernel's buffers are full
+        data = b""
+        while not data.endswith(b"0\r\n\r\n"):  # NOTE: bounded by the socket's timeout
+            piece = sock.recv(65536)
+            assert piece, "the gateway closed the stream early"
+            data += piece
+    head, _, chunked = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head[:200]
+    out, rest = b"", chunked
+    while True:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if not size:
+            return out
+        out, rest = out + rest[:size], rest[size + 2:]
+
+
+class _Writer:
+    """A ``BodyWriter`` whose readiness the test sets (a paused transport, then a drained one)."""
+
+    def __init__(self) -> None:
+        self.is_ready, self.written = False, []
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    def write(self, body: bytes) -> None:
+        self.written.append(body)
+
+
+def test_a_push_is_declined_untouched_while_the_writer_is_not_ready(demo_model: ModelState) -> None:
+    """Declined before decoding: the delta then takes the queued way, which must find the
+    decoder as it was (a multi-byte character split across two deltas shows it)."""
+    tokenizer = demo_model.tokenizer
+    ids = tokenizer.encode("é✓!")
+    assert len(ids) >= 3, ids
+    decoder = StreamDecoder(tokenizer, skip_special_tokens=True)
+    fast, writer = sse.ContentChunks("chatcmpl-1", "m", 0), _Writer()
+    push = _content_push(decoder, fast, writer)
+    first = TokenDelta(request_id="r", token_ids=ids[:1])
+    assert not push(first) and writer.written == []
+    assert decoder.feed_many(first.token_ids) == ""  # NOTE: the queued way: half a character
+    writer.is_ready = True
+    assert push(TokenDelta(request_id="r", token_ids=ids[1:]))
+    assert writer.written == [fast.encode("é✓!")]
