@@ -279,20 +279,28 @@ async def pieces(
         await started.aclose()
 
 
+def tool_parser(started: Started, opts: OutputOptions) -> ToolCallStreamParser | None:
+    """The stream's tool-call parser (None when ``opts`` parses no tools)."""
+    return ToolCallStreamParser(id_seed=started.request_id) if opts.parse_tools else None
+
+
 async def chat_deltas(
     started: Started, model: ModelState, opts: OutputOptions,
-    decoder: StreamDecoder | None = None,
+    decoder: StreamDecoder | None = None, parser: ToolCallStreamParser | None = None,
 ) -> AsyncIterator[ChatDelta | ChatEnd]:
-    """The streamed form of a chat answer: ``ChatDelta``s, then one ``ChatEnd``
-    (``decoder``: as ``pieces``)."""
+    """The streamed form of a chat answer: ``ChatDelta``s, then one ``ChatEnd``.
+
+    ``decoder`` (as ``pieces``) and ``parser`` (``tool_parser``): the stream's own when the
+    caller handles some deltas itself (pushed ones: ``_chat_sse``); made here when None."""
     texts = TokenTexts(model.tokenizer)
-    parser = ToolCallStreamParser(id_seed=started.request_id) if opts.parse_tools else None
+    if parser is None:
+        parser = tool_parser(started, opts)
     pending: list[TokenLogprob] = []
     async with aclosing(pieces(started, model, opts.stop_strings, decoder)) as stream:
         async for piece in stream:
             if isinstance(piece, Finished):
                 events = parser.finish() if parser is not None else []
-                for delta in filter(None, map(_delta, events)):
+                for delta in filter(None, map(chunk_delta, events)):
                     yield ChatDelta(delta, _take(pending, opts.logprobs))
                 has_calls = parser is not None and parser.num_calls > 0
                 reason = finish_reason(piece, has_calls)
@@ -302,7 +310,7 @@ async def chat_deltas(
                 pending += chat_logprobs(
                     texts, piece.token_ids, piece.logprobs, piece.top_logprobs)
             events = parser.feed(piece.text) if parser is not None else [ContentDelta(piece.text)]
-            for delta in filter(None, map(_delta, events)):
+            for delta in filter(None, map(chunk_delta, events)):
                 yield ChatDelta(delta, _take(pending, opts.logprobs))
 
 
@@ -477,7 +485,8 @@ def _take(pending: list[TokenLogprob], wanted: bool) -> list[TokenLogprob] | Non
     return taken
 
 
-def _delta(event: ToolCallEvent) -> ChunkDelta | None:
+def chunk_delta(event: ToolCallEvent) -> ChunkDelta | None:
+    """A parser event as the chunk delta it streams (None: nothing to send)."""
     if isinstance(event, ContentDelta):
         return ChunkDelta(content=event.text) if event.text else None
     if isinstance(event, ToolCallStart):

@@ -114,11 +114,14 @@ def answered(dispatcher: Dispatcher, request_id: str, salt: str | None,
 
 
 async def watch_stream(
-    dispatcher: Dispatcher, request_id: str, salt: str | None, events: AsyncIterator[Any]
+    dispatcher: Dispatcher, request_id: str, salt: str | None, events: AsyncIterator[Any],
+    calls: dict[int, list[str]] | None = None,
 ) -> AsyncIterator[Any]:
     """``chat_deltas`` events passed through; the tool calls they stream are noted, and at the
-    ``ChatEnd`` the answer is retained as ``answered`` says."""
-    calls: dict[int, list[str]] = {}  # NOTE: index -> [id, name]
+    ``ChatEnd`` the answer is retained as ``answered`` says. ``calls`` (index -> [id, name]):
+    shared with whoever notes the calls of deltas that skip this (``note_calls``)."""
+    if calls is None:
+        calls = {}
     try:
         async for event in events:
             if isinstance(event, ChatEnd):
@@ -126,7 +129,7 @@ async def watch_stream(
                            for _, c in sorted(calls.items())]
                 answered(dispatcher, request_id, salt, ordered, event.finish_reason, event.usage)
             else:
-                _note_calls(calls, event.delta.tool_calls)
+                note_calls(calls, event.delta.tool_calls)
             yield event
     finally:
         await events.aclose()  # type: ignore[attr-defined]
@@ -135,7 +138,8 @@ async def watch_stream(
 # ------------------------------------------------------------------------ helpers
 
 
-def _note_calls(calls: dict[int, list[str]], deltas: Iterable[Any] | None) -> None:
+def note_calls(calls: dict[int, list[str]], deltas: Iterable[Any] | None) -> None:
+    """Note the ids and names of streamed tool-call deltas in ``calls`` (see ``watch_stream``)."""
     for call in deltas or ():
         entry = calls.setdefault(call.index, ["", ""])
         if call.id:
@@ -162,5 +166,5 @@ def _field(message: Any, name: str) -> Any:
     return getattr(message, name, None)
 
 
-__all__ = ["Pause", "answered", "answered_calls", "call_names", "retention_of", "session_key",
-           "start_stateless", "watch_stream"]
+__all__ = ["Pause", "answered", "answered_calls", "call_names", "note_calls", "retention_of",
+           "session_key", "start_stateless", "watch_stream"]

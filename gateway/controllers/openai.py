@@ -38,9 +38,11 @@ from gateway.generation import (
     chat_deltas,
     chat_result,
     check_context,
+    chunk_delta,
     finish_reason,
     new_request_id,
     pieces,
+    tool_parser,
     usage_of,
 )
 from gateway.lean_request import HttpRequest
@@ -72,7 +74,8 @@ from gateway.schemas.decode import check_logit_bias, check_max_tokens, prompt_ch
 from gateway.schemas.limits import DEFAULT_LIMITS, max_prompt_chars
 from gateway.tenancy import ANONYMOUS, cache_salt, tenant_of
 from gateway.tokenizer import StreamDecoder
-from gateway.tool_pauses import answered, start_stateless, watch_stream
+from gateway.tool_parser import ToolCallStreamParser
+from gateway.tool_pauses import answered, note_calls, start_stateless, watch_stream
 
 _JSON = msgspec.json.Encoder()
 CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
@@ -152,9 +155,11 @@ async def chat_completion(request: HttpRequest) -> Answer:
     if req.stream:
         if req.continuous_usage:
             started = _counting(started, len(input_ids))
-        watch = functools.partial(watch_stream, request.app.state.dispatcher, head.id, salt)
+        calls: dict[int, list[str]] = {}  # NOTE: the tool calls streamed, pushed ones too
+        watch = functools.partial(watch_stream, request.app.state.dispatcher, head.id, salt,
+                                  calls=calls)
         return sse.EventStream(
-            lambda out: _chat_sse(head, req, started, model, opts, watch, out))
+            lambda out: _chat_sse(head, req, started, model, opts, watch, out, calls))
     result = await chat_result(started, model, opts)
     answered(request.app.state.dispatcher, head.id, salt, result.message.tool_calls,
              result.finish_reason, result.usage)
@@ -342,13 +347,16 @@ async def _chat_sse(
     opts: OutputOptions,
     watch: Callable[[AsyncIterator[Any]], AsyncIterator[Any]],
     out: sse.EventStream | None = None,
+    calls: dict[int, list[str]] | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE body; leaving it early (the client went away) aborts the worker request.
-    ``watch`` passes the events through (``tool_pauses.watch_stream``: tool-pause retention).
-    ``out``: the body this feeds; when it has a writer (the lane), plain content deltas are
-    written from the worker's reply, past every layer here (``_pushable``)."""
+    ``watch`` passes the events through (``tool_pauses.watch_stream``: tool-pause retention;
+    ``calls``, its notes of the streamed tool calls). ``out``: the body this feeds; when it has
+    a writer (the lane), deltas are written from the worker's reply, past every layer here
+    (``_pushable``, ``_delta_push``)."""
     decoder = StreamDecoder(model.tokenizer, skip_special_tokens=True)
-    events = watch(chat_deltas(started, model, opts, decoder))
+    parser = tool_parser(started, opts)
+    events = watch(chat_deltas(started, model, opts, decoder, parser))
     # NOTE: a content-only delta (the common one) from bytes made once (gateway.sse)
     fast = None if isinstance(started, _CountingStarted) else \
         sse.ContentChunks(head.id, head.model, head.created)
@@ -361,8 +369,8 @@ async def _chat_sse(
         # NOTE: here the role chunk has been written: pushed chunks can only come after it
         writer = None if out is None else out.writer
         if writer is not None and fast is not None and fast.usable and _pushable(opts) and \
-                started.push_to is not None:
-            started.push_to(_content_push(decoder, fast, writer))
+                started.push_to is not None and calls is not None:
+            started.push_to(_delta_push(head, decoder, parser, calls, fast, writer))
         async for event in events:
             logprobs = None if event.logprobs is None else ChoiceLogprobs(content=event.logprobs)
             if isinstance(event, ChatDelta):
@@ -388,22 +396,35 @@ async def _chat_sse(
 
 
 def _pushable(opts: OutputOptions) -> bool:
-    """Whether a delta's whole way to its SSE chunk is decode + encode: no stop strings to
-    match, no tool calls to parse, no logprobs to attach (usage per chunk: no ``fast``)."""
-    return not opts.stop_strings and not opts.parse_tools and not opts.logprobs
+    """Whether a delta's whole way to its SSE chunks is synchronous and per delta: no stop
+    strings to match (a match ends the stream), no logprobs to attach (usage per chunk: no
+    ``fast``)."""
+    return not opts.stop_strings and not opts.logprobs
 
 
-def _content_push(decoder: StreamDecoder, fast: sse.ContentChunks,
-                  writer: sse.BodyWriter) -> Callable[[TokenDelta], bool]:
-    """A delta's content chunk written now, as ``chat_deltas`` and ``_chat_sse`` would make it
-    (an empty text makes none); declined while the writer is not ready, before decoding, so the
-    delta then takes the queued way with the decoder untouched."""
+def _delta_push(head: _Head, decoder: StreamDecoder, parser: ToolCallStreamParser | None,
+                calls: dict[int, list[str]], fast: sse.ContentChunks,
+                writer: sse.BodyWriter) -> Callable[[TokenDelta], bool]:
+    """A delta's chunks written now, as ``chat_deltas``, ``watch_stream`` and ``_chat_sse`` make
+    them on the queued way, with the same decoder, tool-call parser and call notes: the text's
+    content chunks (from ``fast``), and its tool-call chunks. Declined while the writer is not
+    ready, before decoding, so the delta then takes the queued way with nothing touched."""
 
     def push(item: TokenDelta) -> bool:
         if not writer.ready():
             return False
-        if text := decoder.feed_many(item.token_ids):
+        text = decoder.feed_many(item.token_ids)
+        if not text:
+            return True
+        if parser is None:
             writer.write(fast.encode(text))  # type: ignore[arg-type]
+            return True
+        for delta in filter(None, map(chunk_delta, parser.feed(text))):
+            if delta.tool_calls is None and delta.content is not None:
+                writer.write(fast.encode(delta.content))  # type: ignore[arg-type]
+                continue
+            note_calls(calls, delta.tool_calls)
+            writer.write(_chunk(head, delta))
         return True
 
     return push

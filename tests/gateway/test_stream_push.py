@@ -1,8 +1,8 @@
-"""Plain content streams skip the stream's layers (``RequestStream.push``, ``sse.EventStream``,
-the server's ``BodyWriter``): on a real ``agentgate serve``, a streamed chat completion with no
-stop strings, tools or logprobs is written from the worker's replies, and says exactly what the
-queued way says. The queued way is forced here by a stop string that never matches (the same
-tokens, and the same text, with the stop matcher in the path)."""
+"""Streams skip the stream's layers (``RequestStream.push``, ``sse.EventStream``, the server's
+``BodyWriter``): on a real ``agentgate serve``, a streamed chat completion with no stop strings
+or logprobs, tool calls included, is written from the worker's replies, and says exactly what
+the queued way says. The queued way is forced here by a stop string that never matches (the
+same tokens, and the same text, with the stop matcher in the path)."""
 
 import json
 import re
@@ -16,13 +16,14 @@ import pytest
 
 from engine.protocol import TokenDelta
 from gateway import sse
-from gateway.controllers.openai import _content_push
+from gateway.controllers.openai import _delta_push, _Head
 from gateway.lifespan import ModelState
 from gateway.tokenizer import StreamDecoder
 from tests.gateway.serve_proc import ServeProc, serve_proc
 
 NEVER = "\x07never\x07"
 PUSHED = re.compile(r"^agentgate_stream_pushed_tokens_total (\S+)$", re.M)
+PAUSED = re.compile(r"^agentgate_retention_paused_conversations (\S+)$", re.M)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +52,12 @@ def _stream(http: httpx.Client, content: str, **extra: object) -> list[dict]:
 
 
 def _pushed(http: httpx.Client) -> float:
-    match = PUSHED.search(http.get("/metrics").text)
-    assert match, "the pushed-tokens counter is exported"
+    return _metric(http, PUSHED)
+
+
+def _metric(http: httpx.Client, pattern: re.Pattern[str]) -> float:
+    match = pattern.search(http.get("/metrics").text)
+    assert match, f"{pattern.pattern} is exported"
     return float(match[1])
 
 
@@ -157,10 +162,46 @@ def test_a_push_is_declined_untouched_while_the_writer_is_not_ready(demo_model: 
     assert len(ids) >= 3, ids
     decoder = StreamDecoder(tokenizer, skip_special_tokens=True)
     fast, writer = sse.ContentChunks("chatcmpl-1", "m", 0), _Writer()
-    push = _content_push(decoder, fast, writer)
+    push = _delta_push(_Head("chatcmpl-1", "m", 0), decoder, None, {}, fast, writer)
     first = TokenDelta(request_id="r", token_ids=ids[:1])
     assert not push(first) and writer.written == []
     assert decoder.feed_many(first.token_ids) == ""  # NOTE: the queued way: half a character
     writer.is_ready = True
     assert push(TokenDelta(request_id="r", token_ids=ids[1:]))
     assert writer.written == [fast.encode("é✓!")]
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "lookup", "description": "Look a word up.",
+    "parameters": {"type": "object", "properties": {"word": {"type": "string"}},
+                   "required": ["word"]}}}]
+
+
+def test_a_pushed_tool_call_stream_says_what_the_queued_way_says(gateway: ServeProc) -> None:
+    """``tool_choice: required``: the worker's grammar makes it call the tool, so the stream's
+    text goes through the tool-call parser on the push too; the calls, the finish reason and
+    the tool pause (the answer's call noted, so its conversation is held for the tool's
+    result) agree."""
+    extra = {"tools": TOOLS, "tool_choice": "required", "max_tokens": 1000, "seed": 5}
+    with httpx.Client(base_url=gateway.base_url, timeout=60) as http:
+        before, paused0 = _pushed(http), _metric(http, PAUSED)
+        pushed = _stream(http, "Look up wallaby.", **extra)
+        between, paused1 = _pushed(http), _metric(http, PAUSED)
+        queued = _stream(http, "Look up wallaby.", stop=[NEVER], **extra)
+        paused2 = _metric(http, PAUSED)
+    assert between > before, "a tool-call stream's tokens were pushed"
+    assert paused1 == paused0 + 1 and paused2 == paused1 + 1, (paused0, paused1, paused2)
+    assert _calls(pushed) == _calls(queued) and _calls(pushed), _calls(pushed)
+    assert _ends(pushed) == _ends(queued) and _ends(pushed)[0][0] == "tool_calls"
+    assert _text(pushed) == _text(queued)
+
+
+def _calls(chunks: list[dict]) -> list[tuple[str, str]]:
+    """(name, arguments) of each streamed call (ids differ between the two requests)."""
+    calls: dict[int, list[str]] = {}
+    for c in chunks:
+        for call in (c["choices"][0]["delta"].get("tool_calls") or []) if c["choices"] else []:
+            entry = calls.setdefault(call["index"], ["", ""])
+            entry[0] += call["function"].get("name") or ""
+            entry[1] += call["function"].get("arguments") or ""
+    return [(name, args) for _, (name, args) in sorted(calls.items())]
