@@ -312,7 +312,7 @@ class Dispatcher:
 
     def push_to(self, request_id: str, push: Push) -> bool:
         """Let ``push`` take ``request_id``'s next deltas straight from its worker's replies
-        while its reader waits (``RequestStream``: a plain content stream writes its chunks
+        while its reader waits (``RequestStream``: a chat stream writes its chunks
         there). Their token timings are observed as the stream's own. False when the request
         is not in flight."""
         attempt = self._active.get(request_id)

@@ -7,13 +7,13 @@ the worker's deltas one by one; one that fell behind (many streams on one event 
 that produced several steps since) catches up in one pass through the layers above (stop
 strings, detokenizing, tool-call parsing, one SSE write) instead of one pass per token.
 
-Push: a consumer whose per-token work is one synchronous function (a plain content stream: decode,
-encode the chunk, write it to the connection) sets ``push``. While the consumer waits in
-``next`` with nothing queued, a delta goes to ``push`` right in the reader's callback, and
-the consumer stays parked: no future, no task switch, no pass through the generator layers. A
-delta ``push`` declines (returns False: the connection cannot take a write now) is queued as
-usual, and so is every delta while anything is queued or the consumer is busy, so the order is
-kept. The idle timer counts pushed deltas as arrivals.
+Push: a consumer whose per-token work is one synchronous function (a chat stream: decode,
+parse tool calls, encode the chunks, write them to the connection) sets ``push``. While the
+consumer waits in ``next`` with nothing queued, a delta goes to ``push`` right in the reader's
+callback, and the consumer stays parked: no future, no task switch, no pass through the
+generator layers. A delta ``push`` declines (returns False: the connection cannot take a write
+now) is queued as usual, and so is every delta while anything is queued or the consumer is
+busy, so the order is kept. The idle timer counts pushed deltas as arrivals.
 """
 
 import asyncio

@@ -9,7 +9,7 @@ two concatenations; its bytes equal encoding the whole ``ChatCompletionChunk``
 
 ``EventStream`` is a body that may also write some events itself, straight to the connection,
 when the server offers a ``BodyWriter`` (``gateway.http_server``'s ASGI extension; the lane
-attaches it): a plain content stream's tokens then skip the per-event ASGI ``send`` and every
+attaches it): a chat stream's tokens then skip the per-event ASGI ``send`` and every
 layer above it (``gateway.request_stream``, push).
 """
 
