@@ -97,10 +97,13 @@ class Started:
     stats: StreamStats | None = None
     push_to: Callable[[Push], bool] | None = None  # NOTE: ``Dispatcher.push_to`` of this request
 
-    def with_stream(self, stream: AsyncIterator[StreamItem]) -> Started:
-        """The same request read through ``stream`` (which wraps ``self.stream``). It cannot be
-        pushed to: ``stream`` may want to see every delta."""
-        return Started(self.request_id, self.first, stream, self.num_prompt_tokens, self.stats)
+    def with_stream(self, stream: AsyncIterator[StreamItem],
+                    push_to: Callable[[Push], bool] | None = None) -> Started:
+        """The same request read through ``stream`` (which wraps ``self.stream``). It can be
+        pushed to only through ``push_to`` (None: not at all): ``stream`` may want to see
+        every delta, pushed ones too."""
+        return Started(self.request_id, self.first, stream, self.num_prompt_tokens, self.stats,
+                       push_to)
 
     async def items(self) -> AsyncIterator[StreamItem]:
         yield self.first

@@ -30,7 +30,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import jinja2
@@ -45,10 +45,13 @@ from gateway.generation import (
     build_generate,
     chat_deltas,
     check_context,
+    chunk_delta,
     new_request_id,
     start,
+    tool_parser,
 )
 from gateway.lifespan import ModelState, SessionsState
+from gateway.request_stream import Push
 from gateway.routing.retention import Pause
 from gateway.schemas import (
     ChunkDelta,
@@ -60,8 +63,11 @@ from gateway.schemas import (
     Usage,
 )
 from gateway.schemas.sessions import TurnEnd, TurnParams, turn_sampling_spec
+from gateway.sse import BodyWriter
 from gateway.structured import StructuredError, tool_call_grammar
 from gateway.tenancy import cache_salt
+from gateway.tokenizer import StreamDecoder
+from gateway.tool_parser import ContentDelta, ToolCallStreamParser
 from gateway.tool_pauses import TOOL_CALLS, call_names, retention_of, session_key
 from sessions import (
     Message,
@@ -214,6 +220,8 @@ class Turn:
         self._t0, self._started_at = t0, started_at
         self._tally = _Tally(t0)
         self._started: Started | None = None
+        self._decoder: StreamDecoder | None = None  # NOTE: with the parser, shared with a push
+        self._parser: ToolCallStreamParser | None = None
         self._content: list[str] = []
         self._calls: dict[int, list[str]] = {}  # index -> [id, name, *argument pieces]
         self._end: ChatEnd | None = None
@@ -242,11 +250,13 @@ class Turn:
         finally:
             self._release_pause()
         self._started = self._tally.wrap(started)
+        self._decoder = StreamDecoder(self._model.tokenizer, skip_special_tokens=True)
+        self._parser = tool_parser(started, self._opts)
 
     async def deltas(self) -> AsyncIterator[ChunkDelta]:
         """The answer's deltas (after ``start``); leaving early aborts the worker request."""
         assert self._started is not None, "Turn.deltas() before start()"
-        events = chat_deltas(self._started, self._model, self._opts)
+        events = chat_deltas(self._started, self._model, self._opts, self._decoder, self._parser)
         try:
             async for event in events:
                 if isinstance(event, ChatEnd):
@@ -259,6 +269,34 @@ class Turn:
             raise
         finally:
             await events.aclose()
+
+    def push_deltas(self, writer: BodyWriter, encode: Callable[[ChunkDelta], bytes | None]
+                    ) -> bool:
+        """Write this turn's next deltas from the worker's reply (``RequestStream.push``),
+        while ``deltas()`` waits for them: each is recorded as ``deltas()`` records it (the same
+        decoder and tool-call parser, made by ``start``) and written as ``encode`` makes it
+        (None: nothing to write). Call it once what comes before the deltas is written; not
+        with stop strings (a match ends the turn) or logprobs. False when the turn cannot be
+        pushed to."""
+        started, decoder, parser = self._started, self._decoder, self._parser
+        if started is None or started.push_to is None or decoder is None or \
+                self._opts.stop_strings or self._opts.logprobs:
+            return False
+
+        def push(item: TokenDelta) -> bool:
+            if not writer.ready():
+                return False  # NOTE: before decoding: the queued way finds nothing touched
+            text = decoder.feed_many(item.token_ids)
+            if not text:
+                return True
+            events = parser.feed(text) if parser is not None else [ContentDelta(text)]
+            for delta in filter(None, map(chunk_delta, events)):
+                self._add(delta)
+                if (body := encode(delta)) is not None:
+                    writer.write(body)
+            return True
+
+        return started.push_to(push)
 
     async def close(self) -> TurnEnd | None:
         """Record the turn and release the session (idempotent); None if the worker failed.
@@ -372,7 +410,19 @@ class _Tally:
         self._see(started.first)
         if not isinstance(started.first, TokenDelta):
             return started  # NOTE: already Finished: nothing more to count
-        return started.with_stream(self._counted(started.stream))
+        push_to = None if started.push_to is None else \
+            functools.partial(self._push_to, started.push_to)
+        return started.with_stream(self._counted(started.stream), push_to)
+
+    def _push_to(self, push_to: Callable[[Push], bool], push: Push) -> bool:
+        """``push_to(push)`` with what ``push`` takes counted too."""
+        def counted(item: TokenDelta) -> bool:
+            if not push(item):
+                return False
+            self._see(item)
+            return True
+
+        return push_to(counted)
 
     async def _counted(self, stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
         try:

@@ -52,7 +52,7 @@ from gateway.dispatch import Dispatcher, DispatchError
 from gateway.errors import dispatch_error
 from gateway.lean_request import HttpRequest
 from gateway.lifespan import ModelState, SessionsState
-from gateway.schemas import ErrorBody, ErrorDetail, RequestError, Usage, error_body
+from gateway.schemas import ChunkDelta, ErrorBody, ErrorDetail, RequestError, Usage, error_body
 from gateway.schemas.sessions import (
     CancelFrame,
     DeletedSession,
@@ -180,7 +180,7 @@ async def session_turn(request: HttpRequest, session_id: str) -> Answer:
     )
     await _start(turn)
     if req.stream:
-        return _turn_sse(turn)
+        return sse.EventStream(lambda out: _turn_sse(turn, out))
     # NOTE: a non-streamed turn is awaited to its end: only a watch on receive() sees the
     # client leave (then the turn is cancelled, recorded as such, and its lease released)
     return await until_disconnect(request, _run_to_end(turn))
@@ -362,12 +362,16 @@ async def _run_to_end(turn: Turn) -> TurnEnd:
     return end
 
 
-async def _turn_sse(turn: Turn) -> AsyncIterator[bytes]:
-    """The SSE body; leaving it early (the client went away) records a cancelled turn."""
+async def _turn_sse(turn: Turn, out: sse.EventStream | None = None) -> AsyncIterator[bytes]:
+    """The SSE body; leaving it early (the client went away) records a cancelled turn. ``out``:
+    the body this feeds; with a writer (the lane), the deltas are written from the worker's reply
+    (``Turn.push_deltas``)."""
     error: DispatchError | SessionError | None = None
     try:
         yield _event(TurnStart(session_id=turn.session.id, turn=turn.index,
                                request_id=turn.request_id))
+        if out is not None and out.writer is not None:  # NOTE: the start is written: push on
+            turn.push_deltas(out.writer, _delta_event)
         async with contextlib.aclosing(turn.deltas()) as deltas:
             async for delta in deltas:
                 if delta.content:
@@ -387,6 +391,11 @@ async def _turn_sse(turn: Turn) -> AsyncIterator[bytes]:
 
 def _event(frame: ServerFrame) -> bytes:
     return sse.json_event(frame)
+
+
+def _delta_event(delta: ChunkDelta) -> bytes | None:
+    """A delta's SSE event as ``_turn_sse`` writes it (tool calls go out at the end)."""
+    return _event(DeltaFrame(content=delta.content)) if delta.content else None
 
 
 def _page_params(request: Request[Any, Any, Any]) -> tuple[int, str | None]:
