@@ -268,8 +268,8 @@ class GatewayMetrics:
                        value=stats.generated_tokens)
         yield _counter("stream_pushed_tokens",
                        "Streamed tokens written to their client straight from the worker's "
-                       "reply (chat streams without stop strings or logprobs; the rest pass "
-                       "the stream's layers)",
+                       "reply (chat and session-turn SSE streams without stop strings or logprobs; "
+                       "the rest pass the stream's layers)",
                        value=stats.pushed_tokens)
 
     def _workers(self) -> Iterator[Metric]:
