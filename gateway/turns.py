@@ -45,7 +45,7 @@ from gateway.generation import (
     build_generate,
     chat_deltas,
     check_context,
-    chunk_delta,
+    delta_push,
     new_request_id,
     start,
     tool_parser,
@@ -67,7 +67,7 @@ from gateway.sse import BodyWriter
 from gateway.structured import StructuredError, tool_call_grammar
 from gateway.tenancy import cache_salt
 from gateway.tokenizer import StreamDecoder
-from gateway.tool_parser import ContentDelta, ToolCallStreamParser
+from gateway.tool_parser import ToolCallStreamParser
 from gateway.tool_pauses import TOOL_CALLS, call_names, retention_of, session_key
 from sessions import (
     Message,
@@ -278,25 +278,16 @@ class Turn:
         (None: nothing to write). Call it once what comes before the deltas is written; not
         with stop strings (a match ends the turn) or logprobs. False when the turn cannot be
         pushed to."""
-        started, decoder, parser = self._started, self._decoder, self._parser
+        started, decoder = self._started, self._decoder
         if started is None or started.push_to is None or decoder is None or \
                 self._opts.stop_strings or self._opts.logprobs:
             return False
 
-        def push(item: TokenDelta) -> bool:
-            if not writer.ready():
-                return False  # NOTE: before decoding: the queued way finds nothing touched
-            text = decoder.feed_many(item.token_ids)
-            if not text:
-                return True
-            events = parser.feed(text) if parser is not None else [ContentDelta(text)]
-            for delta in filter(None, map(chunk_delta, events)):
-                self._add(delta)
-                if (body := encode(delta)) is not None:
-                    writer.write(body)
-            return True
+        def emit(delta: ChunkDelta) -> bytes | None:
+            self._add(delta)
+            return encode(delta)
 
-        return started.push_to(push)
+        return started.push_to(delta_push(decoder, self._parser, writer, emit))
 
     async def close(self) -> TurnEnd | None:
         """Record the turn and release the session (idempotent); None if the worker failed.

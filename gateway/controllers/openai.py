@@ -38,7 +38,7 @@ from gateway.generation import (
     chat_deltas,
     chat_result,
     check_context,
-    chunk_delta,
+    delta_push,
     finish_reason,
     new_request_id,
     pieces,
@@ -49,6 +49,7 @@ from gateway.lean_request import HttpRequest
 from gateway.lifespan import ModelState
 from gateway.logprobs import TokenTexts
 from gateway.prompt_cache import EncodedPrompt
+from gateway.request_stream import Push
 from gateway.schemas import (
     ChatChoice,
     ChatCompletion,
@@ -404,30 +405,17 @@ def _pushable(opts: OutputOptions) -> bool:
 
 def _delta_push(head: _Head, decoder: StreamDecoder, parser: ToolCallStreamParser | None,
                 calls: dict[int, list[str]], fast: sse.ContentChunks,
-                writer: sse.BodyWriter) -> Callable[[TokenDelta], bool]:
-    """A delta's chunks written now, as ``chat_deltas``, ``watch_stream`` and ``_chat_sse`` make
-    them on the queued way, with the same decoder, tool-call parser and call notes: the text's
-    content chunks (from ``fast``), and its tool-call chunks. Declined while the writer is not
-    ready, before decoding, so the delta then takes the queued way with nothing touched."""
+                writer: sse.BodyWriter) -> Push:
+    """The stream's push (``generation.delta_push``): its chunks as ``_chat_sse`` writes them,
+    the tool calls noted as ``watch_stream`` notes them."""
 
-    def push(item: TokenDelta) -> bool:
-        if not writer.ready():
-            return False
-        text = decoder.feed_many(item.token_ids)
-        if not text:
-            return True
-        if parser is None:
-            writer.write(fast.encode(text))  # type: ignore[arg-type]
-            return True
-        for delta in filter(None, map(chunk_delta, parser.feed(text))):
-            if delta.tool_calls is None and delta.content is not None:
-                writer.write(fast.encode(delta.content))  # type: ignore[arg-type]
-                continue
-            note_calls(calls, delta.tool_calls)
-            writer.write(_chunk(head, delta))
-        return True
+    def emit(delta: ChunkDelta) -> bytes:
+        if delta.tool_calls is None and delta.content is not None:
+            return fast.encode(delta.content)  # type: ignore[return-value]
+        note_calls(calls, delta.tool_calls)
+        return _chunk(head, delta)
 
-    return push
+    return delta_push(decoder, parser, writer, emit, fast.encode)  # type: ignore[arg-type]
 
 
 async def _completion(
