@@ -285,14 +285,8 @@ class Dispatcher:
             try:
                 async with contextlib.aclosing(client.generate(wire, **timeouts)) as stream:
                     async for item in stream:
-                        now_s = time.perf_counter()
                         if type(item) is TokenDelta:
-                            if timed:
-                                (stats.itl if started else stats.ttft).observe(
-                                    now_s - attempt.last_s)
-                                if len(item.token_ids) > 1:  # NOTE: per token: these came
-                                    stats.itl.observe(0.0, len(item.token_ids) - 1)  # together
-                            attempt.last_s = now_s
+                            attempt.delta_came(stats, item, time.perf_counter(), first=not started)
                             if not started:
                                 self._first_token(rid, wid)
                         else:
@@ -325,11 +319,7 @@ class Dispatcher:
             if not push(item):
                 return False
             stats.pushed_tokens += len(item.token_ids)
-            if attempt.timed:
-                stats.itl.observe(now_s - attempt.last_s)
-                if len(item.token_ids) > 1:
-                    stats.itl.observe(0.0, len(item.token_ids) - 1)
-            attempt.last_s = now_s
+            attempt.delta_came(stats, item, now_s, first=False)
             return True
 
         return attempt.client.push_to(attempt.wire_id, timed_push)
@@ -472,6 +462,16 @@ class _Attempt:
     wire_id: str
     timed: bool
     last_s: float
+
+    def delta_came(self, stats: StreamStats, item: TokenDelta, now_s: float, *,
+                   first: bool) -> None:
+        """Observe ``item``'s token timings (TTFT for the first delta, ITL after it; 0 for the
+        tokens that came with another in one delta) and move the clock to ``now_s``."""
+        if self.timed:
+            (stats.ttft if first else stats.itl).observe(now_s - self.last_s)
+            if len(item.token_ids) > 1:  # NOTE: per token: these came together
+                stats.itl.observe(0.0, len(item.token_ids) - 1)
+        self.last_s = now_s
 
 
 class _Retry(Exception):
