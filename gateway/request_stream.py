@@ -55,13 +55,12 @@ class RequestStream:
         if self.overflowed:
             return
         if type(msg) is TokenDelta:
+            self.started = True
             waiter = self._waiter
             if self.push is not None and waiter is not None and not self._items and \
                     not waiter.done() and self._pushed(msg):
-                self.started = True
                 self._deadline = waiter.get_loop().time() + self._idle_s
                 return
-            self.started = True
             if self._num_deltas >= max_pending:
                 self.overflowed = True
                 self.fail(StreamOverflow(f"{msg.request_id}: over {max_pending} unread"))
