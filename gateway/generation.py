@@ -48,7 +48,6 @@ from gateway.schemas import (
     ToolCallDelta,
     Usage,
 )
-from gateway.sse import BodyWriter
 from gateway.tenancy import ANONYMOUS
 from gateway.tokenizer import StreamDecoder
 from gateway.tool_parser import (
@@ -286,34 +285,6 @@ async def pieces(
 def tool_parser(started: Started, opts: OutputOptions) -> ToolCallStreamParser | None:
     """The stream's tool-call parser (None when ``opts`` parses no tools)."""
     return ToolCallStreamParser(id_seed=started.request_id) if opts.parse_tools else None
-
-
-def delta_push(decoder: StreamDecoder, parser: ToolCallStreamParser | None, writer: BodyWriter,
-               emit: Callable[[ChunkDelta], bytes | None],
-               text_chunk: Callable[[str], bytes] | None = None) -> Push:
-    """A ``RequestStream`` push that does, for a delta, what ``chat_deltas`` does on the queued
-    way with the stream's own ``decoder`` and ``parser``: detokenize, parse tool calls, and write
-    what ``emit`` makes of each chunk delta (None: nothing). ``text_chunk``: the bytes of a text
-    when no parser runs (a content-only chunk, without building its delta). Declined while
-    ``writer`` is not ready, before decoding, so that the delta then takes the queued way with
-    nothing touched."""
-
-    def push(item: TokenDelta) -> bool:
-        if not writer.ready():
-            return False
-        text = decoder.feed_many(item.token_ids)
-        if not text:
-            return True
-        if parser is None and text_chunk is not None:
-            writer.write(text_chunk(text))
-            return True
-        events = parser.feed(text) if parser is not None else [ContentDelta(text)]
-        for delta in filter(None, map(chunk_delta, events)):
-            if (body := emit(delta)) is not None:
-                writer.write(body)
-        return True
-
-    return push
 
 
 async def chat_deltas(

@@ -45,7 +45,6 @@ from gateway.generation import (
     build_generate,
     chat_deltas,
     check_context,
-    delta_push,
     new_request_id,
     start,
     tool_parser,
@@ -64,6 +63,7 @@ from gateway.schemas import (
 )
 from gateway.schemas.sessions import TurnEnd, TurnParams, turn_sampling_spec
 from gateway.sse import BodyWriter
+from gateway.stream_push import delta_push, pushable
 from gateway.structured import StructuredError, tool_call_grammar
 from gateway.tenancy import cache_salt
 from gateway.tokenizer import StreamDecoder
@@ -280,7 +280,7 @@ class Turn:
         pushed to."""
         started, decoder = self._started, self._decoder
         if started is None or started.push_to is None or decoder is None or \
-                self._opts.stop_strings or self._opts.logprobs:
+                not pushable(self._opts):
             return False
 
         def emit(delta: ChunkDelta) -> bytes | None:

@@ -38,7 +38,6 @@ from gateway.generation import (
     chat_deltas,
     chat_result,
     check_context,
-    delta_push,
     finish_reason,
     new_request_id,
     pieces,
@@ -73,6 +72,7 @@ from gateway.schemas import (
 )
 from gateway.schemas.decode import check_logit_bias, check_max_tokens, prompt_chars
 from gateway.schemas.limits import DEFAULT_LIMITS, max_prompt_chars
+from gateway.stream_push import delta_push, pushable
 from gateway.tenancy import ANONYMOUS, cache_salt, tenant_of
 from gateway.tokenizer import StreamDecoder
 from gateway.tool_parser import ToolCallStreamParser
@@ -347,14 +347,14 @@ async def _chat_sse(
     model: ModelState,
     opts: OutputOptions,
     watch: Callable[[AsyncIterator[Any]], AsyncIterator[Any]],
-    out: sse.EventStream | None = None,
-    calls: dict[int, list[str]] | None = None,
+    out: sse.EventStream,
+    calls: dict[int, list[str]],
 ) -> AsyncIterator[bytes]:
     """The SSE body; leaving it early (the client went away) aborts the worker request.
     ``watch`` passes the events through (``tool_pauses.watch_stream``: tool-pause retention;
     ``calls``, its notes of the streamed tool calls). ``out``: the body this feeds; when it has
     a writer (the lane), deltas are written from the worker's reply, past every layer here
-    (``_pushable``, ``_delta_push``)."""
+    (``stream_push.pushable``, ``_delta_push``)."""
     decoder = StreamDecoder(model.tokenizer, skip_special_tokens=True)
     parser = tool_parser(started, opts)
     events = watch(chat_deltas(started, model, opts, decoder, parser))
@@ -368,10 +368,9 @@ async def _chat_sse(
     try:
         yield _chunk(head, ChunkDelta(role="assistant", content=""), usage=usage())
         # NOTE: here the role chunk has been written: pushed chunks can only come after it
-        writer = None if out is None else out.writer
-        if writer is not None and fast is not None and fast.usable and _pushable(opts) and \
-                started.push_to is not None and calls is not None:
-            started.push_to(_delta_push(head, decoder, parser, calls, fast, writer))
+        if out.writer is not None and fast is not None and fast.usable and pushable(opts) and \
+                started.push_to is not None:
+            started.push_to(_delta_push(head, decoder, parser, calls, fast, out.writer))
         async for event in events:
             logprobs = None if event.logprobs is None else ChoiceLogprobs(content=event.logprobs)
             if isinstance(event, ChatDelta):
@@ -394,13 +393,6 @@ async def _chat_sse(
     finally:
         await events.aclose()
     yield sse.DONE
-
-
-def _pushable(opts: OutputOptions) -> bool:
-    """Whether a delta's whole way to its SSE chunks is synchronous and per delta: no stop
-    strings to match (a match ends the stream), no logprobs to attach (usage per chunk: no
-    ``fast``)."""
-    return not opts.stop_strings and not opts.logprobs
 
 
 def _delta_push(head: _Head, decoder: StreamDecoder, parser: ToolCallStreamParser | None,

@@ -362,7 +362,7 @@ async def _run_to_end(turn: Turn) -> TurnEnd:
     return end
 
 
-async def _turn_sse(turn: Turn, out: sse.EventStream | None = None) -> AsyncIterator[bytes]:
+async def _turn_sse(turn: Turn, out: sse.EventStream) -> AsyncIterator[bytes]:
     """The SSE body; leaving it early (the client went away) records a cancelled turn. ``out``:
     the body this feeds; with a writer (the lane), the deltas are written from the worker's reply
     (``Turn.push_deltas``)."""
@@ -370,7 +370,7 @@ async def _turn_sse(turn: Turn, out: sse.EventStream | None = None) -> AsyncIter
     try:
         yield _event(TurnStart(session_id=turn.session.id, turn=turn.index,
                                request_id=turn.request_id))
-        if out is not None and out.writer is not None:  # NOTE: the start is written: push on
+        if out.writer is not None:  # NOTE: the start is written: push from here on
             turn.push_deltas(out.writer, _delta_event)
         async with contextlib.aclosing(turn.deltas()) as deltas:
             async for delta in deltas:
