@@ -102,10 +102,10 @@ async def _cells(rows: list[dict[str, Any]], pid: int, port: int, pace: float, d
                      "idle_ms_per_s": idle_per_s * 1e3,
                      "rss_mb": (rss0, got["rss_max"], rss_mb(pid))})
     for size_name, size in body_sizes.items():
-        system, text = _prompt(size)
+        system, text = plain_prompt(size)
         for c in plain_concurrency:
             rss0, t0, cpu0 = rss_mb(pid), time.perf_counter(), cpu_s(pid)
-            got = await _run_plain(port, c, duration_s, system, text, pid)
+            got = await run_plain(port, c, duration_s, system, text, pid)
             elapsed = time.perf_counter() - t0
             cpu = max(0.0, cpu_s(pid) - cpu0 - idle_per_s * elapsed)
             n, lat = len(got["latency"]), got["latency"]
@@ -148,7 +148,7 @@ async def _run_streams(port: int, concurrency: int, duration_s: float, tokens: i
     return await _with_sampler(got, pid, client, concurrency, duration_s + slack_s)
 
 
-async def _run_plain(port: int, concurrency: int, duration_s: float, system: str, text: str,
+async def run_plain(port: int, concurrency: int, duration_s: float, system: str, text: str,
                      pid: int) -> dict[str, Any]:
     got: dict[str, Any] = {"latency": [], "body_bytes": 0}
     deadline = time.perf_counter() + duration_s
@@ -194,7 +194,7 @@ async def _with_sampler(got: dict[str, Any], pid: int,
     return got
 
 
-def _prompt(size: int) -> tuple[str, str]:
+def plain_prompt(size: int) -> tuple[str, str]:
     """(system prompt, user text): ~size/4 and ~3*size/4 characters of words."""
     rng = random.Random(size)
     text = " ".join(rng.choice(WORDS) for _ in range(size // 3))[:size]
