@@ -10,6 +10,8 @@ from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 
+from gateway.api_keys import ApiKeys
+from gateway.auth_gate import AuthGate
 from gateway.controllers.health import HealthController
 from gateway.controllers.metrics import MetricsPlugin
 from gateway.controllers.openai import (
@@ -71,6 +73,8 @@ class GatewayConfig:
         priority to the engine (``--no-admission`` turns it off).
     admission_config: its buckets, shares, tenant weights and queue bounds
         (``gateway.routing.admission.AdmissionConfig``; ``--admission-*``, ``--tenant-weight``).
+    api_keys: the keys and their tenants' limits (``gateway.api_keys``; ``--api-keys``): every
+        request but the probes needs one. None: open, each bearer key its own tenant.
     """
 
     model_dir: Path
@@ -94,6 +98,7 @@ class GatewayConfig:
     index_max_pages: int = DEFAULT_MAX_PAGES
     admission: bool = True
     admission_config: AdmissionConfig = AdmissionConfig()
+    api_keys: ApiKeys | None = None
 
     def __post_init__(self) -> None:
         assert self.workers, "GatewayConfig needs at least one worker endpoint"
@@ -107,7 +112,7 @@ class GatewayConfig:
 
 
 def create_app(cfg: GatewayConfig) -> GatewayApp:
-    return GatewayApp(
+    app = GatewayApp(
         route_handlers=[
             HealthController, ModelsController, ChatCompletionsController, CompletionsController,
             openapi_json, SessionsController, session_ws,
@@ -129,6 +134,9 @@ def create_app(cfg: GatewayConfig) -> GatewayApp:
         on_shutdown=[remove_log_filter],
         cors_config=_cors(cfg.cors_origins),
     )
+    if cfg.api_keys is not None:
+        app.auth_gate = AuthGate(cfg.api_keys)
+    return app
 
 
 def _cors(origins: tuple[str, ...]) -> CORSConfig | None:

@@ -150,6 +150,7 @@ def serve_kwargs(args: argparse.Namespace, env: Mapping[str, str] | None = None
     """``gateway.serve.serve``'s arguments from ``agentgate serve``'s flags and ``env`` (the
     process environment by default: the one place the gateway's variables are read)."""
     from engine.worker.cli import engine_argv
+    from gateway.api_keys import load_api_keys
     from gateway.http_server import HttpLimits
     from gateway.tenant_secret import default_secret_path, load_tenant_secret
 
@@ -160,6 +161,8 @@ def serve_kwargs(args: argparse.Namespace, env: Mapping[str, str] | None = None
         raise CliError("need --workers >= 1 or at least one --worker endpoint")
     secret_path = (Path(args.tenant_secret_file) if args.tenant_secret_file
                    else default_secret_path(env.get("XDG_CONFIG_HOME")))
+    keys_path = args.api_keys or env.get("AGENTGATE_API_KEYS")
+    api_keys = load_api_keys(Path(keys_path)) if keys_path else None
     return {
         "model_dir": model_dir, "num_workers": num_workers, "attach": args.worker,
         "host": args.host, "port": args.port, "backend": args.backend, "redis_url": args.redis,
@@ -177,7 +180,8 @@ def serve_kwargs(args: argparse.Namespace, env: Mapping[str, str] | None = None
             "router": args.router,
             "index_max_pages": args.index_max_pages,
             "admission": args.admission,
-            "admission_config": _admission_config(args),
+            "admission_config": _admission_config(args, api_keys),
+            "api_keys": api_keys,
             "retain_ttl_s": args.retain_ttl,
         },
     }
@@ -251,6 +255,10 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="the per-deployment key of tenant ids, created (0600, random) when missing; "
              "AGENTGATE_TENANT_SECRET overrides it (default: "
              "$XDG_CONFIG_HOME/agentgate/tenant-secret or ~/.config/agentgate/tenant-secret)")
+    add("--api-keys", metavar="FILE", default=None,
+        help="require an API key on every request: a TOML file mapping keys to tenants, with "
+             "each tenant's weight and limits (README: API keys); AGENTGATE_API_KEYS names the "
+             "file too (default: open, each bearer key its own tenant)")
     add("--first-token-timeout", type=_positive, default=60.0, metavar="S",
         help="a request whose first token takes longer ends with 504")
     add("--idle-timeout", type=_positive, default=30.0, metavar="S",
@@ -311,15 +319,20 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _admission_config(args: argparse.Namespace) -> Any:
+def _admission_config(args: argparse.Namespace, api_keys: Any = None) -> Any:
+    """The admission settings; the tenants of ``api_keys`` (a ``gateway.api_keys.ApiKeys``)
+    weigh what its file says unless ``--tenant-weight`` names them too."""
     from gateway.routing.admission import AdmissionConfig
 
+    named = dict(args.tenant_weight)
+    weights = [*args.tenant_weight, *((t.name, t.weight) for t in (
+        api_keys.tenants if api_keys is not None else ()) if t.name not in named)]
     try:
         return AdmissionConfig(
             bucket_bounds_tokens=args.admission_buckets, bucket_shares=args.admission_shares,
             max_queued=args.admission_max_queued,
             max_queued_per_tenant=args.admission_max_queued_per_tenant,
-            tenant_weights=tuple(args.tenant_weight))
+            tenant_weights=tuple(weights))
     except AssertionError as exc:
         raise CliError(f"--admission-buckets/--admission-shares: {exc}") from None
 

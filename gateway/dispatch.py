@@ -43,7 +43,7 @@ import itertools
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -146,6 +146,9 @@ class Dispatcher:
         self._finished_on: OrderedDict[str, tuple[WorkerClient, str]] = OrderedDict()
         self._alive_waiters: list[asyncio.Future[None]] = []
         self._active: dict[str, _Attempt] = {}  # NOTE: request id -> its attempt in flight
+        # NOTE: (cache_salt, tokens) of each prompt sent and completion finished (the API-key
+        # gate's token budgets, gateway.auth_gate)
+        self.on_tokens: Callable[[str | None, int], None] | None = None
         for client in self.clients:
             client.alive_listeners.append(self._wake)
 
@@ -203,6 +206,8 @@ class Dispatcher:
             NoWorkerAvailable, WorkerError, DispatchTimeout, ...: as ``WorkerClient.generate``.
         """
         route = route or default_route(request)
+        if self.on_tokens is not None:
+            self.on_tokens(request.cache_salt, len(request.input_ids))
         if self.link is not None and self.affinity is not None:
             await self.affinity.load(route)
         tried: list[tuple[WorkerClient, int]] = []  # NOTE: (client, its epoch when tried)
@@ -291,6 +296,8 @@ class Dispatcher:
                                 self._first_token(rid, wid)
                         else:
                             stats.finished(item)
+                            if self.on_tokens is not None:
+                                self.on_tokens(wire.cache_salt, item.completion_tokens)
                             self.routing.finished(client.endpoint, item)
                             self._note_finished(request_id, item.request_id, client)
                         started = True

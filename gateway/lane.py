@@ -36,6 +36,7 @@ from litestar import Litestar
 from litestar.types import Receive, Scope, Send
 
 from gateway import sse
+from gateway.auth_gate import AuthGate
 from gateway.controllers.openai import (
     CHAT_COMPLETIONS_PATH,
     COMPLETIONS_PATH,
@@ -70,9 +71,19 @@ _SESSION_ERRORS = {SessionError: session_error, **ERROR_HANDLERS}
 
 
 class GatewayApp(Litestar):
-    """The gateway's Litestar app, with the lane in front (see the module docstring)."""
+    """The gateway's Litestar app, with the lane in front (see the module docstring), and the
+    API-key gate in front of both when keys are configured (``auth_gate``, set by
+    ``gateway.app.create_app``)."""
+
+    auth_gate: AuthGate | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.auth_gate is not None:
+            await self.auth_gate(scope, receive, send, self._serve)
+            return
+        await self._serve(scope, receive, send)
+
+    async def _serve(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and not (
                 self.cors_config is not None and _has_origin(scope)):
             path = scope["path"]

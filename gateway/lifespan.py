@@ -85,6 +85,8 @@ async def dispatcher_lifespan(app: Litestar) -> AsyncIterator[None]:
     )
     # NOTE: tool-pause retention (gateway.tool_pauses), its TTL default from --retain-ttl
     dispatcher.retention = _retention(cfg, dispatcher)  # type: ignore[attr-defined]
+    if (gate := getattr(app, "auth_gate", None)) is not None:
+        dispatcher.on_tokens = gate.limiter.charge  # NOTE: the keyed tenants' token budgets
     for client in clients:
         client.start()
     await _await_welcomes(clients, STARTUP_GRACE_S)

@@ -9,6 +9,7 @@ process never imports torch: the engine only runs in the worker subprocesses.
 """
 
 import errno
+import ipaddress
 import logging
 import signal
 import socket
@@ -74,6 +75,9 @@ def serve(
         raise ServeError(f"--gateway-procs {gateway_procs} needs --redis: with several gateway "
                          "processes, sessions must live in a store every process reads")
     configure_logging("gateway")
+    if not (gateway_options or {}).get("api_keys") and not is_loopback(host):
+        logger.warning("listening on %s without API keys: anyone who reaches this port can use "
+                       "the workers and every tenant's sessions (--api-keys FILE)", host)
     if redis_url is not None:
         _check_redis(redis_url)
     limits = limits or HttpLimits()
@@ -170,6 +174,16 @@ def _start_gateway_procs(cfg: Any, limits: HttpLimits, num: int) -> Supervisor:
     gateways = Supervisor(procs, spawn, kind="gateway process")
     gateways.start()
     return gateways
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) is this machine's loopback only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:

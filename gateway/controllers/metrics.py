@@ -84,6 +84,8 @@ def _metrics_lifespan(
         state = app.state
         sessions = state.sessions.manager.stats if "sessions" in state else None
         state.metrics = GatewayMetrics(http, state.dispatcher, state.model.prompt_cache, sessions)
+        if (gate := getattr(app, "auth_gate", None)) is not None:
+            state.metrics.registry.register(gate)
         try:
             yield
         finally:

@@ -46,3 +46,15 @@ def test_bad_values_refused(flag: str, value: str, capsys: pytest.CaptureFixture
 def test_shares_must_match_buckets(sim_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(CliError, match="admission"):
         _options(sim_model_dir, tmp_path, "--admission-buckets", "1000,8000")
+
+
+def test_a_keys_file_weighs_its_tenants_unless_a_flag_does(sim_model_dir: Path,
+                                                           tmp_path: Path) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[tenants.acme]\nkeys = ["sk-acme-0123456789abcdef"]\nweight = 3\n'
+                    '[tenants.beta]\nkeys = ["sk-beta-0123456789abcdef"]\nweight = 4\n')
+    options = _options(sim_model_dir, tmp_path, "--api-keys", str(keys),
+                       "--tenant-weight", "beta=0.5")
+    cfg = options["admission_config"]
+    assert cfg.weight_of("acme") == 3.0 and cfg.weight_of("beta") == 0.5
+    assert options["api_keys"].tenant_of_key("sk-acme-0123456789abcdef").name == "acme"
