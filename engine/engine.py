@@ -118,10 +118,16 @@ class Engine:
             GrammarError: ``params.structured`` does not compile (a ValueError too).
         """
         self.check_request(prompt_ids, params)
+        if params.resumed_tokens >= len(prompt_ids):
+            raise ValueError(f"SamplingParams.resumed_tokens={params.resumed_tokens}: must be "
+                             f"below the prompt's {len(prompt_ids)} tokens")
         eos = () if params.ignore_eos else self.eos_token_ids
         stop = set(params.stop_token_ids) | set(eos)
         if grammar is None and params.structured is not None:
             grammar = self.grammars.matcher(params.structured)
+        if grammar is not None and params.resumed_tokens:
+            for token in prompt_ids[len(prompt_ids) - params.resumed_tokens:]:
+                grammar.accept(int(token))  # NOTE: the earlier run's output, consumed as it was
         return Sequence(request_id, tuple(map(int, prompt_ids)), params,
                         generator=self._generator(params.seed), stop_ids=frozenset(stop),
                         grammar=grammar, **kwargs)  # type: ignore[arg-type]

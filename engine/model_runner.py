@@ -10,7 +10,13 @@ from engine.kv.layout import KVLayout
 from engine.kv.paged import PagedBatch, SeqPages
 from engine.kv.pool import KVPool
 from engine.models.mimo_v2 import MiMoV2ForCausalLM
-from engine.sampler import SampleOutput, Sampler, grammar_mask, penalty_history
+from engine.sampler import (
+    SampleOutput,
+    Sampler,
+    grammar_mask,
+    penalty_history,
+    position_seed,
+)
 from engine.scheduler import Scheduled
 
 
@@ -37,6 +43,9 @@ class ModelRunner:
         if not rows:
             return None
         sampling = [s.seq for s in batch if s.samples]
+        for q in sampling:
+            if q.generator is not None:  # NOTE: a seeded draw depends on its position alone
+                q.generator.manual_seed(position_seed(q.params.seed, q.num_tokens))
         logits = self.model.compute_logits(hidden[rows])
         allowed = grammar_mask([q.grammar for q in sampling], logits.shape[-1], self.device)
         return self.sampler.sample(logits, [q.params for q in sampling],

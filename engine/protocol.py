@@ -68,6 +68,7 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
     structured: StructuredSpec | None = None
     repetition_penalty: float = 1.0
     logit_bias: list[tuple[int, float]] = []
+    resumed_tokens: int = 0
 
     def to_params(self) -> SamplingParams:
         """The validated engine-side parameters.
@@ -92,6 +93,7 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
             structured=self.structured,
             repetition_penalty=self.repetition_penalty,
             logit_bias=tuple((int(t), float(b)) for t, b in self.logit_bias),
+            resumed_tokens=self.resumed_tokens,
         )
 
 

@@ -101,6 +101,19 @@ class Sampler:
         return SampleOutput(token_ids, chosen, top_logprobs(logprobs, [p.logprobs for p in params]))
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of a seeded request's draw for the token at ``position`` (its prompt + output
+    so far): splitmix64 of the two, a function of them alone. So a request whose output so far
+    is appended to its prompt (a stream resumed on another worker) draws what it would have."""
+    x = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1  # NOTE: 63 bits, as torch's manual_seed takes
+
+
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
     """A generator for one request's noise, or None (share the default RNG) when seed is None."""
     if seed is None:

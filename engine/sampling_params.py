@@ -60,6 +60,10 @@ class SamplingParams:
             as vLLM and transformers do).
         logit_bias: ``(token_id, bias)`` pairs added to the logits before sampling, bias in
             [-100, 100], at most ``MAX_LOGIT_BIAS_ENTRIES`` pairs (OpenAI's ``logit_bias``).
+        resumed_tokens: the prompt's last ``resumed_tokens`` tokens are this request's own output
+            from an earlier run that stopped (a stream the gateway moved off a lost worker):
+            a grammar has consumed them, and seeded draws go on as that run's would have.
+            ``max_new_tokens`` counts only what is left to generate.
 
     Raises:
         ValueError: naming the field and its allowed range when a value is out of range or of the
@@ -78,6 +82,7 @@ class SamplingParams:
     structured: StructuredSpec | None = None
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    resumed_tokens: int = 0
 
     def __post_init__(self) -> None:
         _require("max_new_tokens", self.max_new_tokens, "an int >= 1", _is_int_in(1, math.inf))
@@ -105,6 +110,7 @@ class SamplingParams:
         _require("logit_bias", self.logit_bias,
                  f"a tuple of at most {MAX_LOGIT_BIAS_ENTRIES} (token_id >= 0, bias in "
                  f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]) pairs", _is_logit_bias)
+        _require("resumed_tokens", self.resumed_tokens, "an int >= 0", _is_int_in(0, math.inf))
 
     @property
     def is_greedy(self) -> bool:

@@ -124,7 +124,9 @@ class SimRunner:
     def _prompt_digest(self, seq: SeqState) -> str:
         digest = self._prompt_digests.get(seq.request_id)
         if digest is None:
-            data = np.asarray(seq.prompt_ids, dtype=np.int64).tobytes()
+            # NOTE: a resumed request's earlier output is not its prompt (SamplingParams)
+            prompt = seq.prompt_ids[:len(seq.prompt_ids) - seq.params.resumed_tokens]
+            data = np.asarray(prompt, dtype=np.int64).tobytes()
             digest = hashlib.blake2b(data, digest_size=16).hexdigest()
             self._prompt_digests[seq.request_id] = digest
             if len(self._prompt_digests) > _MAX_PROMPT_DIGESTS:
