@@ -11,6 +11,7 @@ from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 
 from gateway.api_keys import ApiKeys
+from gateway.attempts import DEFAULT_MIGRATION_LIMIT
 from gateway.auth_gate import AuthGate
 from gateway.controllers.health import HealthController
 from gateway.controllers.metrics import MetricsPlugin
@@ -75,6 +76,9 @@ class GatewayConfig:
         (``gateway.routing.admission.AdmissionConfig``; ``--admission-*``, ``--tenant-weight``).
     api_keys: the keys and their tenants' limits (``gateway.api_keys``; ``--api-keys``): every
         request but the probes needs one. None: open, each bearer key its own tenant.
+    migration_limit: how many times a stream whose worker is lost after its first token may
+        go on on another worker (``gateway.attempts``; ``--migration-limit``); 0: it ends with
+        an error.
     """
 
     model_dir: Path
@@ -99,6 +103,7 @@ class GatewayConfig:
     admission: bool = True
     admission_config: AdmissionConfig = AdmissionConfig()
     api_keys: ApiKeys | None = None
+    migration_limit: int = DEFAULT_MIGRATION_LIMIT
 
     def __post_init__(self) -> None:
         assert self.workers, "GatewayConfig needs at least one worker endpoint"
@@ -109,6 +114,7 @@ class GatewayConfig:
         assert min(self.first_token_timeout_s, self.idle_timeout_s) > 0, f"{self}: timeouts > 0"
         assert self.router in ROUTER_NAMES, f"router={self.router!r}: one of {ROUTER_NAMES}"
         assert self.index_max_pages > 0, f"{self.index_max_pages=}"
+        assert self.migration_limit >= 0, f"{self.migration_limit=}"
 
 
 def create_app(cfg: GatewayConfig) -> GatewayApp:

@@ -174,6 +174,7 @@ def serve_kwargs(args: argparse.Namespace, env: Mapping[str, str] | None = None
         "gateway_options": {
             "first_token_timeout_s": args.first_token_timeout,
             "idle_timeout_s": args.idle_timeout,
+            "migration_limit": args.migration_limit,
             "served_model_names": tuple(args.served_model_name),
             "cors_origins": tuple(args.cors_origin),
             "tenant_secret": load_tenant_secret(secret_path, env.get("AGENTGATE_TENANT_SECRET")),
@@ -263,6 +264,9 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="a request whose first token takes longer ends with 504")
     add("--idle-timeout", type=_positive, default=30.0, metavar="S",
         help="a request whose next token takes longer ends with 504")
+    add("--migration-limit", type=_non_negative_int, default=2, metavar="N",
+        help="a stream whose worker is lost after its first token goes on on another worker, "
+             "at most N times (0: it ends with an error)")
     _add_routing_arguments(serve.add_argument_group("routing"))
     http = serve.add_argument_group("HTTP server")
     http.add_argument("--header-timeout", type=_positive, default=10.0, metavar="S",
@@ -372,6 +376,13 @@ def _positive(text: str) -> float:
 def _non_negative(text: str) -> float:
     value = float(text)
     if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 

@@ -23,7 +23,7 @@ for a reason of the worker's, before it streamed a token:
     | failure                                           | retried? | error when not        |
     |---------------------------------------------------|----------|-----------------------|
     | WorkerDead, started=False (lost, silent, restart) | yes      | WorkerDead            |
-    | WorkerDead, started=True                          | never    | WorkerDead (502)      |
+    | WorkerDead, started=True                          | migrated | WorkerDead (502)      |
     | WorkerError "overloaded"                          | yes      | WorkersBusy (429)     |
     | any other WorkerError: invalid_grammar,           | never    | WorkerError: the      |
     |   invalid_request, context_too_long, internal...  |          | same on every worker  |
@@ -34,6 +34,12 @@ connection or process; not to one that refused it as overloaded). When no live w
 for a retry after a worker was lost, it waits up to ``retry_wait_s`` for one to come (back) up.
 A retry uses the wire request id ``<id>.retry<n>``, so that a late reply to the first attempt can
 never be taken for one of the retry's.
+
+Migration: a request whose worker is lost after it streamed tokens goes on on another worker, at
+most ``migration_limit`` times (``gateway.migration``): the tokens streamed so far are appended to
+its prompt and the worker told they are its own output, so greedy and seeded output is what the
+lost worker would have streamed, and the caller's stream goes on as if nothing happened. Once
+the limit is spent (or with ``migration_limit=0``), ``WorkerDead`` ends the stream as before.
 """
 
 import asyncio
@@ -48,8 +54,18 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from engine.protocol import Generate, TokenDelta
+from engine.protocol import Finished, Generate, TokenDelta
 from gateway.affinity import SharedAffinity
+from gateway.attempts import (
+    DEFAULT_MIGRATION_LIMIT,
+    Attempt,
+    Migrate,
+    Retry,
+    already_done,
+    as_original,
+    is_retryable,
+    resume_request,
+)
 from gateway.builtin_policy import BuiltinPolicy
 from gateway.dispatch_errors import (
     DispatchError,
@@ -79,10 +95,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# NOTE: the only worker error codes worth another worker; every other code is about the request
-RETRYABLE_CODES = frozenset({"overloaded"})
-
-
 class WorkersBusy(DispatchError):
     """Every live worker refused the request as overloaded (their queues are full), or the
     admission queue is full: the client should retry later (429 + Retry-After).
@@ -105,6 +117,7 @@ class Dispatcher:
         index_max_pages: the KV index's bound (with a router).
         admission: the admission gate (None: requests are sent as soon as they are routed).
         max_retries: how many other workers a request may move to (see the retry table).
+        migration_limit: how many times a request that streamed tokens may move on.
         max_sessions: the bound of the session -> worker map (least recently used go first).
         retry_wait_s: how long a retry waits for a live worker when none is left.
 
@@ -124,13 +137,17 @@ class Dispatcher:
         index_max_pages: int = DEFAULT_MAX_PAGES,
         admission: "AdmissionGate | None" = None,
         max_retries: int = 2,
+        migration_limit: int = DEFAULT_MIGRATION_LIMIT,
         max_sessions: int = 100_000,
         retry_wait_s: float = 10.0,
     ) -> None:
         self.clients = list(clients)
         assert self.clients, "a Dispatcher needs at least one WorkerClient"
         assert max_retries >= 0 and max_sessions > 0 and retry_wait_s >= 0
+        assert migration_limit >= 0, f"{migration_limit=}"
         self.max_retries = max_retries
+        self.migration_limit = migration_limit
+        self.num_migrations = 0
         self.max_sessions = max_sessions
         self.retry_wait_s = retry_wait_s
         self.stats = StreamStats()
@@ -145,7 +162,8 @@ class Dispatcher:
         # NOTE: request id -> (the worker that finished it, its wire id), for Retain (bounded, LRU)
         self._finished_on: OrderedDict[str, tuple[WorkerClient, str]] = OrderedDict()
         self._alive_waiters: list[asyncio.Future[None]] = []
-        self._active: dict[str, _Attempt] = {}  # NOTE: request id -> its attempt in flight
+        self._active: dict[str, Attempt] = {}  # NOTE: request id -> its attempt in flight
+        self._pushes: dict[str, Push] = {}  # NOTE: request id -> its push, for a migration
         # NOTE: (cache_salt, tokens) of each prompt sent and completion finished (the API-key
         # gate's token budgets, gateway.auth_gate)
         self.on_tokens: Callable[[str | None, int], None] | None = None
@@ -210,36 +228,68 @@ class Dispatcher:
             self.on_tokens(request.cache_salt, len(request.input_ids))
         if self.link is not None and self.affinity is not None:
             await self.affinity.load(route)
+        try:
+            async for item in self._attempts(request, route, timeouts):
+                yield item
+        finally:
+            self._pushes.pop(request.request_id, None)
+
+    async def _attempts(
+        self, request: Generate, route: RouteRequest, timeouts: dict[str, float]
+    ) -> AsyncIterator[StreamItem]:
+        """``generate``'s attempts: the first, its retries and its migrations."""
         tried: list[tuple[WorkerClient, int]] = []  # NOTE: (client, its epoch when tried)
         last_error: DispatchError | None = None
+        streamed: list[int] = []  # NOTE: the tokens of every attempt so far (a migration's)
+        retries = migrations = 0
+        moved = False  # NOTE: the last attempt ended in a migration, not a retry
         for attempt in itertools.count():
             wire, attempt_route = request, route
+            resumed = len(streamed)
             if attempt:
                 retry_id = f"{request.request_id}.retry{attempt}"
-                wire = msgspec.structs.replace(request, request_id=retry_id)
-                attempt_route = dataclasses.replace(route, request_id=retry_id)
+                wire = resume_request(request, streamed, retry_id) if resumed else \
+                    msgspec.structs.replace(request, request_id=retry_id)
+                attempt_route = dataclasses.replace(route, request_id=retry_id,
+                                                    num_tokens=len(wire.input_ids))
             client, decision = await self._pick_for_attempt(attempt_route, tried, last_error)
             tried.append((client, client.epoch))
             if self.link is not None and self.affinity is not None:
                 self.affinity.decided(route, decision.worker_id)
-            if last_error is not None:
+            if last_error is not None and not moved:
                 reason = "overloaded" if isinstance(last_error, WorkerError) else "worker_lost"
                 self.num_retries[reason] += 1
             try:
                 async with contextlib.aclosing(
                     self._attempt(client, decision, wire, attempt_route, timeouts,
-                                  request.request_id)
+                                  request.request_id, streamed)
                 ) as stream:
                     async for item in stream:
+                        if resumed and type(item) is Finished:
+                            item = as_original(item, request, resumed)
                         yield item
                 return
-            except _Retry as retry:
+            except Migrate as move:
+                if migrations >= self.migration_limit:
+                    raise move.error from None
+                if (done := already_done(request, streamed)) is not None:
+                    yield done
+                    return
+                migrations += 1
+                self.num_migrations += 1
+                if self.on_tokens is not None:  # NOTE: the lost attempt never said Finished
+                    self.on_tokens(request.cache_salt, len(streamed) - resumed)
+                last_error, moved = move.error, True
+                logger.warning("moving %s to another worker after %d tokens: %s",
+                               request.request_id, len(streamed), move.error)
+            except Retry as retry:
                 exc = retry.error
-                if attempt >= self.max_retries:
+                if retries >= self.max_retries:
                     if isinstance(exc, WorkerError):
                         raise WorkersBusy(f"every worker tried is overloaded: {exc}") from exc
                     raise exc from None
-                last_error = exc
+                retries += 1
+                last_error, moved = exc, False
                 logger.warning("retrying %s elsewhere: %s", request.request_id, exc)
 
     def retain(self, request_id: str, ttl_s: float) -> bool:
@@ -269,16 +319,18 @@ class Dispatcher:
         route: RouteRequest,
         timeouts: dict[str, float],
         request_id: str,
+        streamed: list[int],
     ) -> AsyncIterator[StreamItem]:
         """Admit (when gated) and send ``wire`` to ``client``; the router hears of its dispatch,
-        first token and end. A failure the retry table retries is raised as ``_Retry``.
-        ``request_id`` is the client's id (``wire``'s is a retry's ``<id>.retry<n>``)."""
+        first token and end. A failure the retry table retries is raised as ``Retry``, a lost
+        worker after the first token as ``Migrate``. ``request_id`` is the client's id
+        (``wire``'s is a retry's ``<id>.retry<n>``); its tokens are added to ``streamed``."""
         stats = self.stats
         # NOTE: token timings mean something only when the worker sends every step's tokens
         timed = wire.stream_interval_s == 0
         # NOTE: its last_s is the dispatch time, then the last delta's (pushed ones included)
-        attempt = self._active[request_id] = _Attempt(client, wire.request_id, timed,
-                                                      time.perf_counter())
+        attempt = self._active[request_id] = Attempt(client, wire.request_id, timed,
+                                                      time.perf_counter(), streamed)
         wid = self.link.worker_id(client) if self.link is not None else None
         rid = wire.request_id
         try:
@@ -294,6 +346,8 @@ class Dispatcher:
                             attempt.delta_came(stats, item, time.perf_counter(), first=not started)
                             if not started:
                                 self._first_token(rid, wid)
+                                if (push := self._pushes.get(request_id)) is not None:
+                                    self.push_to(request_id, push)  # NOTE: a migration's
                         else:
                             stats.finished(item)
                             if self.on_tokens is not None:
@@ -303,9 +357,11 @@ class Dispatcher:
                         started = True
                         yield item
             except (WorkerDead, WorkerError) as exc:
+                if started and isinstance(exc, WorkerDead) and self.migration_limit:
+                    raise Migrate(exc) from exc
                 if started or not is_retryable(exc):
                     raise
-                raise _Retry(exc) from exc
+                raise Retry(exc) from exc
         finally:
             if self._active.get(request_id) is attempt:
                 del self._active[request_id]
@@ -319,6 +375,7 @@ class Dispatcher:
         attempt = self._active.get(request_id)
         if attempt is None:
             return False
+        self._pushes[request_id] = push
         stats = self.stats
 
         def timed_push(item: TokenDelta) -> bool:
@@ -460,35 +517,6 @@ class Dispatcher:
             self.gate.remove_worker(worker_id)
 
 
-@dataclasses.dataclass(slots=True)
-class _Attempt:
-    """A request's attempt in flight: where it runs, under which wire id, and when its last
-    delta came (``timed``: the worker sends every step's tokens, so timings mean something)."""
-
-    client: WorkerClient
-    wire_id: str
-    timed: bool
-    last_s: float
-
-    def delta_came(self, stats: StreamStats, item: TokenDelta, now_s: float, *,
-                   first: bool) -> None:
-        """Observe ``item``'s token timings (TTFT for the first delta, ITL after it; 0 for the
-        tokens that came with another in one delta) and move the clock to ``now_s``."""
-        if self.timed:
-            (stats.ttft if first else stats.itl).observe(now_s - self.last_s)
-            if len(item.token_ids) > 1:  # NOTE: per token: these came together
-                stats.itl.observe(0.0, len(item.token_ids) - 1)
-        self.last_s = now_s
-
-
-class _Retry(Exception):
-    """An attempt failed in a way the retry table retries."""
-
-    def __init__(self, error: WorkerDead | WorkerError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
 def default_route(request: Generate) -> RouteRequest:
     """The ``RouteRequest`` of a request nobody built one for: its session id as the affinity
     key, no page hashes (the router goes by affinity and load)."""
@@ -497,11 +525,3 @@ def default_route(request: Generate) -> RouteRequest:
         affinity_key=request.session_id, tenant=request.cache_salt or "",
         max_new_tokens=request.sampling.max_new_tokens,
     )
-
-
-def is_retryable(exc: DispatchError) -> bool:
-    """Whether a request that failed with ``exc`` before streaming may go to another worker:
-    only for the worker's own trouble, never for the request's (see the module docstring)."""
-    if isinstance(exc, WorkerDead):
-        return not exc.started
-    return isinstance(exc, WorkerError) and exc.code in RETRYABLE_CODES

@@ -81,7 +81,7 @@ async def dispatcher_lifespan(app: Litestar) -> AsyncIterator[None]:
     # NOTE: made before the clients start, so that the router hears of every Welcome
     dispatcher = Dispatcher(
         clients, router=cfg.router, index_max_pages=cfg.index_max_pages,
-        admission=_admission_gate(cfg),
+        admission=_admission_gate(cfg), migration_limit=cfg.migration_limit,
     )
     # NOTE: tool-pause retention (gateway.tool_pauses), its TTL default from --retain-ttl
     dispatcher.retention = _retention(cfg, dispatcher)  # type: ignore[attr-defined]

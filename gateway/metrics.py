@@ -18,6 +18,7 @@ one observation per token delta. Everything runs on the gateway's event loop, so
     | worker_running_requests, worker_waiting_requests | gauge | worker       | LoadReport    |
     | worker_{reconnects,new_instances}_total    | counter   | worker           | WorkerClient  |
     | dispatch_retries_total                     | counter   | reason           | Dispatcher    |
+    | dispatch_migrations_total                  | counter   |                  | Dispatcher    |
     | worker_requests_total                      | counter   | worker           | Dispatcher    |
     | worker_{prompt,cached_prompt,generated}_tokens_total | counter | worker | Finished      |
     | routing_decisions_total                    | counter   | router, reason   | Router        |
@@ -302,6 +303,9 @@ class GatewayMetrics:
         for reason in ("worker_lost", "overloaded"):
             retries.add_metric([reason], self.dispatcher.num_retries[reason])
         yield retries
+        yield _counter("dispatch_migrations", "Streams moved to another worker after their first "
+                       "token, their worker lost (gateway.attempts)",
+                       value=self.dispatcher.num_migrations)
         yield from self._routing()
 
     def _routing(self) -> Iterator[Metric]:

@@ -165,11 +165,40 @@ def test_json_request_is_retried_on_the_restarted_worker(
         assert client.num_new_instances == 1, client.num_new_instances
 
 
-def test_sse_stream_of_a_restarted_worker_ends_with_an_error(
+def test_sse_stream_of_a_restarted_worker_goes_on_on_its_new_incarnation(
+    endpoint: str, workers: list[WorkerProcess], tokenizer_dir: Path
+) -> None:
+    """One worker only, restarted on its address mid-stream: the stream migrates to the new
+    process and ends whole, with the tokens of an uninterrupted run (seeded)."""
+    workers.append(start_worker_on(endpoint, "incarnation", "cpu"))
+    body = _chat(stream=True, seed=4, max_tokens=300)
+    with serve_app(_config(tokenizer_dir, endpoint, 0.5, 10.0)) as served:
+        served.app.state.dispatcher.retry_wait_s = 60.0  # NOTE: a slow box restarts slowly
+        events: list[str] = []
+        with served.http.stream("POST", URL, json=body) as resp:
+            assert resp.status_code == 200, resp.read()
+            lines = (line.removeprefix("data: ") for line in resp.iter_lines()
+                     if line.startswith("data: "))
+            while not any('"content"' in e and '"role"' not in e for e in events):
+                events.append(next(lines))  # NOTE: until a generated token arrived
+            restarter = threading.Thread(
+                target=lambda: asyncio.run(_kill_and_restart(workers, endpoint, "cpu")))
+            restarter.start()
+            events += list(lines)
+        restarter.join(60.0)
+        assert events[-1] == "[DONE]" and not any('"error"' in e for e in events), events[-3:]
+        text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or ""
+                       for e in events[:-1] if json.loads(e)["choices"])
+        whole = served.http.post(URL, json=body | {"stream": False}).json()
+        assert text == whole["choices"][0]["message"]["content"]
+        assert served.app.state.dispatcher.num_migrations == 1
+
+
+def test_sse_stream_of_a_restarted_worker_ends_with_an_error_without_migration(
     endpoint: str, workers: list[WorkerProcess], tokenizer_dir: Path
 ) -> None:
     workers.append(start_worker_on(endpoint, "incarnation", "cpu"))
-    cfg = _config(tokenizer_dir, endpoint, 0.5, 10.0)
+    cfg = _config(tokenizer_dir, endpoint, 0.5, 10.0, migration_limit=0)
     with serve_app(cfg) as served:
         events: list[str] = []
         with served.http.stream("POST", URL, json=_chat(stream=True)) as resp:
@@ -266,10 +295,11 @@ def test_metrics_follow_a_worker_that_goes_and_comes_back(
 # ---------------------------------------------------------------------- helpers
 
 
-def _config(model_dir: Path, endpoint: str, heartbeat_s: float, dead_after_s: float
-            ) -> GatewayConfig:
+def _config(model_dir: Path, endpoint: str, heartbeat_s: float, dead_after_s: float,
+            migration_limit: int = 2) -> GatewayConfig:
     return GatewayConfig(model_dir=model_dir, workers=(endpoint,), model_name="demo",
-                         heartbeat_s=heartbeat_s, dead_after_s=dead_after_s)
+                         heartbeat_s=heartbeat_s, dead_after_s=dead_after_s,
+                         migration_limit=migration_limit)
 
 
 async def _kill_and_restart(workers: list[WorkerProcess], endpoint: str, cost: str) -> float:
