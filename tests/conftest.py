@@ -1,5 +1,6 @@
-"""Suite-wide hooks: tests marked `gpu` are skipped when CUDA is not available; `redis_url` runs
-a real redis-server for the session-store tests."""
+"""Suite-wide hooks: tests marked `gpu` are skipped when CUDA is not available, tests marked `slow`
+unless `-m slow` selects them; `redis_url` runs a real redis-server for the session-store
+tests."""
 
 import contextlib
 import os
@@ -22,6 +23,12 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # NOTE: `slow` tests (the soak) run only when asked for by marker: `-m slow`
+    if "slow" not in (config.getoption("markexpr") or ""):
+        skip_slow = pytest.mark.skip(reason="slow: run with -m slow")
+        for item in items:
+            if item.get_closest_marker("slow") is not None:
+                item.add_marker(skip_slow)
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return

@@ -17,13 +17,15 @@ START_TIMEOUT_S = 10.0
 
 
 class RedisServer:
-    """One redis-server on a fixed 127.0.0.1 port (no persistence), restartable."""
+    """One redis-server on a fixed 127.0.0.1 port, restartable. ``persistent``: an append-only
+    file fsynced on every write in ``work`` (what a restart, even after SIGKILL, reads back);
+    otherwise no persistence at all."""
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, persistent: bool = False) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
             pytest.fail("redis-server is not installed: apt-get install -y redis-server")
-        self.exe, self.work = exe, work
+        self.exe, self.work, self.persistent = exe, work, persistent
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port: int = s.getsockname()[1]
@@ -37,7 +39,8 @@ class RedisServer:
         assert self.proc is None or self.proc.poll() is not None, "already running"
         self.proc = subprocess.Popen(
             [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.work),
+             "--appendonly", "yes" if self.persistent else "no", "--appendfsync", "always",
+             "--dir", str(self.work),
              "--logfile", str(self.work / "redis.log")],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
         )
@@ -53,7 +56,7 @@ class RedisServer:
         pytest.fail(f"redis-server did not start on port {self.port} (rc={self.proc.poll()})")
 
     def kill(self) -> None:
-        """SIGKILL (every session is lost: no persistence)."""
+        """SIGKILL (without persistence every session is lost)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)
             self.proc.kill()
@@ -70,9 +73,9 @@ class RedisServer:
 
 
 @contextlib.contextmanager
-def redis_server(work: Path) -> Iterator[RedisServer]:
+def redis_server(work: Path, persistent: bool = False) -> Iterator[RedisServer]:
     """A started ``RedisServer``, killed when the block ends (frozen or not)."""
-    server = RedisServer(work)
+    server = RedisServer(work, persistent)
     server.start()
     try:
         yield server
