@@ -36,7 +36,7 @@ A retry uses the wire request id ``<id>.retry<n>``, so that a late reply to the 
 never be taken for one of the retry's.
 
 Migration: a request whose worker is lost after it streamed tokens goes on on another worker, at
-most ``migration_limit`` times (``gateway.migration``): the tokens streamed so far are appended to
+most ``migration_limit`` times (``gateway.attempts``): the tokens streamed so far are appended to
 its prompt and the worker told they are its own output, so greedy and seeded output is what the
 lost worker would have streamed, and the caller's stream goes on as if nothing happened. Once
 the limit is spent (or with ``migration_limit=0``), ``WorkerDead`` ends the stream as before.
@@ -228,69 +228,64 @@ class Dispatcher:
             self.on_tokens(request.cache_salt, len(request.input_ids))
         if self.link is not None and self.affinity is not None:
             await self.affinity.load(route)
+        # NOTE: one loop over the attempts (the first, its retries and its migrations), not a
+        # generator of its own: every delta of a queued stream passes through here
         try:
-            async for item in self._attempts(request, route, timeouts):
-                yield item
+            tried: list[tuple[WorkerClient, int]] = []  # NOTE: (client, its epoch when tried)
+            last_error: DispatchError | None = None
+            streamed: list[int] = []  # NOTE: the tokens of every attempt so far (a migration's)
+            retries = migrations = 0
+            moved = False  # NOTE: the last attempt ended in a migration, not a retry
+            for attempt in itertools.count():
+                wire, attempt_route = request, route
+                resumed = len(streamed)
+                if attempt:
+                    retry_id = f"{request.request_id}.retry{attempt}"
+                    wire = resume_request(request, streamed, retry_id) if resumed else \
+                        msgspec.structs.replace(request, request_id=retry_id)
+                    attempt_route = dataclasses.replace(route, request_id=retry_id,
+                                                        num_tokens=len(wire.input_ids))
+                client, decision = await self._pick_for_attempt(attempt_route, tried, last_error)
+                tried.append((client, client.epoch))
+                if self.link is not None and self.affinity is not None:
+                    self.affinity.decided(route, decision.worker_id)
+                if last_error is not None and not moved:
+                    reason = "overloaded" if isinstance(last_error, WorkerError) else "worker_lost"
+                    self.num_retries[reason] += 1
+                try:
+                    async with contextlib.aclosing(
+                        self._attempt(client, decision, wire, attempt_route, timeouts,
+                                      request.request_id, streamed)
+                    ) as stream:
+                        async for item in stream:
+                            if resumed and type(item) is Finished:
+                                item = as_original(item, request, resumed)
+                            yield item
+                    return
+                except Migrate as move:
+                    if migrations >= self.migration_limit:
+                        raise move.error from None
+                    if (done := already_done(request, streamed)) is not None:
+                        yield done
+                        return
+                    migrations += 1
+                    self.num_migrations += 1
+                    if self.on_tokens is not None:  # NOTE: the lost attempt never said Finished
+                        self.on_tokens(request.cache_salt, len(streamed) - resumed)
+                    last_error, moved = move.error, True
+                    logger.warning("moving %s to another worker after %d tokens: %s",
+                                   request.request_id, len(streamed), move.error)
+                except Retry as retry:
+                    exc = retry.error
+                    if retries >= self.max_retries:
+                        if isinstance(exc, WorkerError):
+                            raise WorkersBusy(f"every worker tried is overloaded: {exc}") from exc
+                        raise exc from None
+                    retries += 1
+                    last_error, moved = exc, False
+                    logger.warning("retrying %s elsewhere: %s", request.request_id, exc)
         finally:
             self._pushes.pop(request.request_id, None)
-
-    async def _attempts(
-        self, request: Generate, route: RouteRequest, timeouts: dict[str, float]
-    ) -> AsyncIterator[StreamItem]:
-        """``generate``'s attempts: the first, its retries and its migrations."""
-        tried: list[tuple[WorkerClient, int]] = []  # NOTE: (client, its epoch when tried)
-        last_error: DispatchError | None = None
-        streamed: list[int] = []  # NOTE: the tokens of every attempt so far (a migration's)
-        retries = migrations = 0
-        moved = False  # NOTE: the last attempt ended in a migration, not a retry
-        for attempt in itertools.count():
-            wire, attempt_route = request, route
-            resumed = len(streamed)
-            if attempt:
-                retry_id = f"{request.request_id}.retry{attempt}"
-                wire = resume_request(request, streamed, retry_id) if resumed else \
-                    msgspec.structs.replace(request, request_id=retry_id)
-                attempt_route = dataclasses.replace(route, request_id=retry_id,
-                                                    num_tokens=len(wire.input_ids))
-            client, decision = await self._pick_for_attempt(attempt_route, tried, last_error)
-            tried.append((client, client.epoch))
-            if self.link is not None and self.affinity is not None:
-                self.affinity.decided(route, decision.worker_id)
-            if last_error is not None and not moved:
-                reason = "overloaded" if isinstance(last_error, WorkerError) else "worker_lost"
-                self.num_retries[reason] += 1
-            try:
-                async with contextlib.aclosing(
-                    self._attempt(client, decision, wire, attempt_route, timeouts,
-                                  request.request_id, streamed)
-                ) as stream:
-                    async for item in stream:
-                        if resumed and type(item) is Finished:
-                            item = as_original(item, request, resumed)
-                        yield item
-                return
-            except Migrate as move:
-                if migrations >= self.migration_limit:
-                    raise move.error from None
-                if (done := already_done(request, streamed)) is not None:
-                    yield done
-                    return
-                migrations += 1
-                self.num_migrations += 1
-                if self.on_tokens is not None:  # NOTE: the lost attempt never said Finished
-                    self.on_tokens(request.cache_salt, len(streamed) - resumed)
-                last_error, moved = move.error, True
-                logger.warning("moving %s to another worker after %d tokens: %s",
-                               request.request_id, len(streamed), move.error)
-            except Retry as retry:
-                exc = retry.error
-                if retries >= self.max_retries:
-                    if isinstance(exc, WorkerError):
-                        raise WorkersBusy(f"every worker tried is overloaded: {exc}") from exc
-                    raise exc from None
-                retries += 1
-                last_error, moved = exc, False
-                logger.warning("retrying %s elsewhere: %s", request.request_id, exc)
 
     def retain(self, request_id: str, ttl_s: float) -> bool:
         """Send ``Retain(ttl_s)`` for a request that finished lately to the worker that ran it,

@@ -23,9 +23,9 @@ from engine.protocol import PROTOCOL_VERSION, Flush, GetLoad, Hello, LoadReport,
 from tests.engine.worker_harness import Client
 from tests.gateway.live import LiveGateway, live_gateway
 
-pytestmark = pytest.mark.slow
-
 SOAK_S = float(os.environ.get("AGENTGATE_SOAK_S", "600"))
+# NOTE: past the suite's 600 s per-test timeout: the load, then the drain and the checks
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(SOAK_S + 300)]
 CLIENTS, SAMPLE_S, MAX_GROWTH, RETAIN_TTL_S = 8, 15.0, 1.25, 2.0
 AUTH = {"Authorization": "Bearer sk-soak"}
 
@@ -52,6 +52,7 @@ def test_a_soak_leaks_nothing(gateway: LiveGateway) -> None:
     try:
         while time.monotonic() - start < SOAK_S and not failures:
             samples.append((time.monotonic() - start, _rss_mb(gateway.proc.pid)))
+            print(f"soak {samples[-1][0]:4.0f} s: RSS MB {samples[-1][1]}", flush=True)
             time.sleep(min(SAMPLE_S, max(0.0, SOAK_S - (time.monotonic() - start))))
         samples.append((time.monotonic() - start, _rss_mb(gateway.proc.pid)))
     finally:
