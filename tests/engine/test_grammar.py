@@ -221,9 +221,11 @@ def test_logprobs_are_those_of_the_masked_distribution(llm: LLM) -> None:
 
 
 def test_preempted_constrained_requests_resume_in_step(model_dir: Path) -> None:
+    # NOTE: 20 chunks hold the longest PERSON (~93 tokens) after the longest prompt alone, so
+    # none fails for memory (finish_reason "error"), yet four at once force preemptions
     layout = KVLayout.from_model(ModelConfig.from_dir(model_dir), PAGE, 4)
     llm = LLM(model_dir, dtype="float32", device="cpu", page_size=PAGE,
-              kv_budget_bytes=layout.chunk_bytes * 14, max_num_batched_tokens=16)
+              kv_budget_bytes=layout.chunk_bytes * 20, max_num_batched_tokens=16)
     params = [_params(PERSON, seed=s, max_new_tokens=150) for s in range(4)]
     outs = llm.generate([PROMPT + [i] * 5 * i for i in range(4)], params)
     assert llm.engine.scheduler.num_preemptions > 0, "the budget never forced a preemption"

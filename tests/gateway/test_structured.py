@@ -189,14 +189,17 @@ def test_tool_grammar_writes_the_chat_templates_call_format() -> None:
 
 # ------------------------------------------------------------- issue 8, item 18 and item 4
 
-# NOTE: LangChain's tool schemas omit additionalProperties, at every level
+# NOTE: LangChain's tool schemas omit additionalProperties, at every level. Every value is bounded
+# so that the random model's call always ends within max_tokens (an unbounded string or array
+# may run on for as long as its draws say).
 LANGCHAIN_PARAMS = {
     "type": "object",
     "properties": {
         "city": {"type": "string", "maxLength": 5},
-        "when": {"type": "object", "properties": {"day": {"type": "integer"}}},
-        "stops": {"type": "array", "items": {"type": "object",
-                                             "properties": {"name": {"type": "string"}}}},
+        "when": {"type": "object", "properties": {"day": {"type": "integer", "minimum": 1,
+                                                          "maximum": 31}}},
+        "stops": {"type": "array", "maxItems": 2, "items": {
+            "type": "object", "properties": {"name": {"type": "string", "maxLength": 5}}}},
     },
     "required": ["city", "when"],
 }
