@@ -10,6 +10,7 @@ from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 
+from engine.worker.curve import CurveClientKeys
 from gateway.api_keys import ApiKeys
 from gateway.attempts import DEFAULT_MIGRATION_LIMIT
 from gateway.auth_gate import AuthGate
@@ -79,6 +80,8 @@ class GatewayConfig:
     migration_limit: how many times a stream whose worker is lost after its first token may
         go on on another worker (``gateway.attempts``; ``--migration-limit``); 0: it ends with
         an error.
+    curve_keys: the gateway's CURVE keys (``engine.worker.curve``; ``--curve-keys``): its DEALER,
+        SUB and replay sockets connect to the workers as CURVE clients. None: plain.
     """
 
     model_dir: Path
@@ -104,6 +107,7 @@ class GatewayConfig:
     admission_config: AdmissionConfig = AdmissionConfig()
     api_keys: ApiKeys | None = None
     migration_limit: int = DEFAULT_MIGRATION_LIMIT
+    curve_keys: CurveClientKeys | None = None
 
     def __post_init__(self) -> None:
         assert self.workers, "GatewayConfig needs at least one worker endpoint"

@@ -8,6 +8,8 @@
     agentgate replay TRACE.jsonl | --synthetic agent [--policies ...] [--json OUT] [--plots DIR]
                                       replay a trace through the routing policies on in-process
                                       sim workers, virtual time (``agentgate replay -h``)
+    agentgate keys DIR [--force]      write CURVE key pairs for the workers' ZeroMQ sockets (the
+                                      workers' and the gateways'; ``--curve-keys DIR``)
     agentgate serve [--model DIR] [--workers N] [--worker tcp://...] [--host H] [--port P]
                     [--redis URL] [--gateway-procs N] [--router NAME] [...]   (agentgate serve -h)
                                       the OpenAI-compatible gateway over N worker subprocesses
@@ -130,6 +132,18 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return worker_main(args.extra, prog="agentgate worker")
 
 
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from engine.worker.curve import write_keys
+
+    key_dir = Path(args.dir)
+    for path in write_keys(key_dir, force=args.force):
+        print(f"wrote {path}")  # NOTE: paths only, never a key
+    print(f"workers: agentgate worker --curve-keys {key_dir} ... (needs server.key_secret and "
+          f"the gateways' *.key); gateways: agentgate serve --curve-keys {key_dir} (needs "
+          "client.key_secret and server.key). Keep the *.key_secret files private.")
+    return 0
+
+
 def _cmd_replay(args: argparse.Namespace) -> int:
     from replay.cli import main as replay_main
 
@@ -150,6 +164,7 @@ def serve_kwargs(args: argparse.Namespace, env: Mapping[str, str] | None = None
     """``gateway.serve.serve``'s arguments from ``agentgate serve``'s flags and ``env`` (the
     process environment by default: the one place the gateway's variables are read)."""
     from engine.worker.cli import engine_argv
+    from engine.worker.curve import load_client_keys
     from gateway.api_keys import load_api_keys
     from gateway.http_server import HttpLimits
     from gateway.tenant_secret import default_secret_path, load_tenant_secret
@@ -163,11 +178,16 @@ def serve_kwargs(args: argparse.Namespace, env: Mapping[str, str] | None = None
                    else default_secret_path(env.get("XDG_CONFIG_HOME")))
     keys_path = args.api_keys or env.get("AGENTGATE_API_KEYS")
     api_keys = load_api_keys(Path(keys_path)) if keys_path else None
+    # NOTE: the gateway's CURVE keys are loaded (and checked) here; the spawned workers get the
+    # directory, absolute, and load their own side of it
+    curve_dir = Path(args.curve_keys).resolve() if args.curve_keys else None
+    curve_options = {"curve_keys": load_client_keys(curve_dir)} if curve_dir else {}
+    worker_curve = ["--curve-keys", str(curve_dir)] if curve_dir else []
     return {
         "model_dir": model_dir, "num_workers": num_workers, "attach": args.worker,
         "host": args.host, "port": args.port, "backend": args.backend, "redis_url": args.redis,
         "gateway_procs": args.gateway_procs,
-        "worker_args": engine_argv(args),
+        "worker_args": [*engine_argv(args), *worker_curve],
         "limits": HttpLimits(
             header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
             max_connections=args.max_connections, drain_timeout_s=args.drain_timeout),
@@ -184,6 +204,7 @@ def serve_kwargs(args: argparse.Namespace, env: Mapping[str, str] | None = None
             "admission_config": _admission_config(args, api_keys),
             "api_keys": api_keys,
             "retain_ttl_s": args.retain_ttl,
+            **curve_options,
         },
     }
 
@@ -221,6 +242,13 @@ def _build_parser() -> argparse.ArgumentParser:
     replay = sub.add_parser("replay", add_help=False, help="replay a trace through the routing "
                             "policies on in-process sim workers (flags: agentgate replay -h)")
     replay.set_defaults(func=_cmd_replay, forward_args=True)
+
+    keys = sub.add_parser("keys", help="write CURVE key pairs that authenticate the gateways to "
+                                       "the workers (--curve-keys DIR)")
+    keys.add_argument("dir", help="key directory (created 0700): server.key, server.key_secret "
+                                  "(the workers'), client.key, client.key_secret (the gateways')")
+    keys.add_argument("--force", action="store_true", help="replace existing keys")
+    keys.set_defaults(func=_cmd_keys)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible gateway and its workers",
                            formatter_class=_DefaultsFormatter)
@@ -264,6 +292,12 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="a request whose first token takes longer ends with 504")
     add("--idle-timeout", type=_positive, default=30.0, metavar="S",
         help="a request whose next token takes longer ends with 504")
+    add("--curve-keys", metavar="DIR", default=None,
+        help="authenticate to the workers with CURVE (`agentgate keys DIR`): the gateway uses "
+             "client.key_secret and server.key, and the spawned workers get --curve-keys DIR "
+             "(server.key_secret; they accept the *.key files but server.key); workers attached "
+             "with --worker must have been started with the same keys (default: none; needed "
+             "for workers on a non-loopback address)")
     add("--migration-limit", type=_non_negative_int, default=2, metavar="N",
         help="a stream whose worker is lost after its first token goes on on another worker, "
              "at most N times (0: it ends with an error)")

@@ -16,6 +16,7 @@ import urllib.parse
 from collections.abc import Awaitable, Callable
 
 from engine.protocol import Welcome
+from engine.worker.curve import CurveClientKeys
 from gateway.routing.index import DEFAULT_MAX_PAGES, KVIndex
 from gateway.routing.subscriber import KVEventSubscriber
 
@@ -44,11 +45,13 @@ class KVFeed:
     def num_subscribers(self) -> int:
         return len(self._subscribers)
 
-    def start(self, worker_id: str, welcome: Welcome, connected_to: str) -> None:
+    def start(self, worker_id: str, welcome: Welcome, connected_to: str,
+              curve: CurveClientKeys | None = None) -> None:
         """Follow ``worker_id``'s events (after whatever op on it is still running).
 
         ``connected_to`` is the endpoint the gateway reached the worker's ROUTER on: a wildcard
-        host in the announced endpoints means that host."""
+        host in the announced endpoints means that host. ``curve``: the keys the gateway
+        reached it with (its events and replay sockets want the same)."""
         if welcome.events_endpoint is None:
             logger.warning("worker %s announces no events endpoint: routed without its KV",
                            worker_id)
@@ -61,7 +64,7 @@ class KVFeed:
         async def start() -> None:
             await self._stop(worker_id)  # NOTE: a previous instance's subscriber, if any
             sub = KVEventSubscriber(self.index, worker_id, events, replay_endpoint=replay,
-                                    lock=self.lock)
+                                    lock=self.lock, curve=curve)
             with self.lock:
                 self.index.add_worker(worker_id, window_pages=window_pages)
             sub.start()

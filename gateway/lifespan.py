@@ -15,6 +15,7 @@ from typing import Any
 from litestar import Litestar
 from litestar.datastructures import State
 
+from engine.worker.curve import CurveClientKeys, is_loopback_endpoint
 from gateway.affinity import SharedAffinity
 from gateway.dispatch import Dispatcher, WorkerClient
 from gateway.prompt_cache import PromptCache
@@ -71,10 +72,13 @@ async def dispatcher_lifespan(app: Litestar) -> AsyncIterator[None]:
     the start (``/ready`` says 503 until one is up) and is used as soon as it comes up.
     """
     cfg = app.state.cfg
+    curve = cfg.curve_keys
+    _warn_unauthenticated(cfg.workers, curve)
     clients = [
         WorkerClient(
             endpoint, heartbeat_s=cfg.heartbeat_s, dead_after_s=cfg.dead_after_s,
             first_token_timeout_s=cfg.first_token_timeout_s, idle_timeout_s=cfg.idle_timeout_s,
+            curve=curve,
         )
         for endpoint in cfg.workers
     ]
@@ -98,6 +102,15 @@ async def dispatcher_lifespan(app: Litestar) -> AsyncIterator[None]:
             client.close()
         await dispatcher.close()  # NOTE: joins the KV event subscribers' threads
         del app.state.dispatcher
+
+
+def _warn_unauthenticated(endpoints: tuple[str, ...], curve: CurveClientKeys | None) -> None:
+    """Log the workers reached over a network in the clear (no ``--curve-keys``)."""
+    remote = [ep for ep in endpoints if not is_loopback_endpoint(ep)]
+    if remote and curve is None:
+        logger.warning("talking to worker(s) %s without CURVE: requests and KV events cross the "
+                       "network unauthenticated and in the clear (--curve-keys DIR)",
+                       ", ".join(remote))
 
 
 def _admission_gate(cfg: Any) -> Any:

@@ -135,7 +135,7 @@ class RouterLink:
         )
         self._ids[client], self._clients[wid] = wid, client
         self._call(lambda r: r.add_worker(info))
-        self.feed.start(wid, welcome, client.endpoint)
+        self.feed.start(wid, welcome, client.endpoint, curve=client.curve)
         if self._on_added is not None:
             self._on_added(wid, info)
 

@@ -26,7 +26,8 @@ Connection life cycle (``start()`` returns at once; ``connect()`` also awaits th
 Every ``generate()`` ends in exactly one way: it yields ``Finished`` last, or raises a
 ``DispatchError``. Leaving the stream early (``aclose()``, cancellation, a timeout, a slow
 consumer) sends ``Abort``, so a client that went away stops costing the worker anything. This
-module imports only ``engine.protocol`` from the engine: the gateway never loads torch.
+module imports only ``engine.protocol`` and ``engine.worker.curve`` from the engine: the gateway
+never loads torch.
 """
 
 import asyncio
@@ -57,6 +58,7 @@ from engine.protocol import (
     decode_worker,
     encode,
 )
+from engine.worker.curve import CurveClientKeys
 from gateway.connection_monitor import ConnectionMonitor
 from gateway.dispatch_errors import (
     DispatchError,
@@ -86,6 +88,9 @@ class WorkerClient:
         connect_timeout_s: how long ``connect()`` waits for the first Welcome.
         first_token_timeout_s, idle_timeout_s: defaults for ``generate()``.
         max_pending_deltas: the bound of each request's queue of unread deltas.
+        curve: connect as a CURVE client (a worker with ``--curve-keys``); the KV event
+            subscriber of this worker uses the same keys. None: no authentication. NOTE: a
+            worker that refuses the keys never answers (no Welcome): it stays "connecting".
 
     Attributes:
         is_alive: a Welcome came on the current connection, and nothing was lost since.
@@ -110,6 +115,7 @@ class WorkerClient:
         heartbeat_s: float = 1.0,
         dead_after_s: float = 3.0,
         max_pending_deltas: int = 1024,
+        curve: CurveClientKeys | None = None,
     ) -> None:
         assert 0 < heartbeat_s < dead_after_s, f"heartbeat_s={heartbeat_s} < {dead_after_s=}"
         assert min(connect_timeout_s, first_token_timeout_s, idle_timeout_s) > 0
@@ -122,6 +128,7 @@ class WorkerClient:
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
         self.max_pending_deltas = max_pending_deltas
+        self.curve = curve
         self.welcome: Welcome | None = None
         self.last_load: LoadReport | None = None
         self.is_alive = False
@@ -166,6 +173,8 @@ class WorkerClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+        if self.curve is not None:
+            self.curve.apply(sock)
         self._monitor = ConnectionMonitor(sock, loop, self._on_connected, self._on_disconnected)
         self._monitor.start()
         sock.connect(self.endpoint)

@@ -33,7 +33,6 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
 VARIANTS = {"default": (), "sim": ("sim",)}  # variant -> the profiles it activates
-CURVE_REASON = "CURVE flags land with the CURVE change"
 CONDITIONS = ("service_started", "service_healthy", "service_completed_successfully")
 WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]")
 
@@ -42,7 +41,7 @@ def test_commands_parse_with_the_real_cli() -> None:
     for name, argv in _agentgate_commands():
         if argv[0] == "keys":
             continue  # NOTE: test_keys_service_writes_the_curve_volume
-        error = _cli_error(_without_pending_curve(argv))
+        error = _cli_error(argv)
         assert error is None, f"service {name}: agentgate {shlex.join(argv)}: {error}"
 
 
@@ -50,8 +49,6 @@ def test_curve_flags_parse() -> None:
     commands = [(n, a) for n, a in _agentgate_commands() if a[0] in ("serve", "worker")]
     missing = [n for n, argv in commands if "--curve-keys" not in argv]
     assert not missing, f"services without --curve-keys (a worker on 0.0.0.0 needs it): {missing}"
-    if not (_has_curve("serve") and _has_curve("worker")):
-        pytest.xfail(reason=CURVE_REASON)
     for name, argv in commands:
         assert _cli_error(argv) is None, f"service {name}: {_cli_error(argv)}"
 
@@ -73,8 +70,6 @@ def test_keys_service_writes_the_curve_volume() -> None:
             keys_dir = _flag(user_argv, "--curve-keys")
             assert _mounts(services[user]).get(keys_dir, ("",))[0] == writable[argv[1]][0], (
                 f"service {user}: --curve-keys {keys_dir} is not the volume {name} writes")
-    if _cli_error(["keys", "/keys"]) is not None:
-        pytest.xfail(reason=CURVE_REASON)
     assert _cli_error(argv) is None, f"service {name}: {_cli_error(argv)}"
 
 
@@ -324,18 +319,3 @@ def _cli_error(argv: list[str]) -> str | None:
     except SystemExit:
         return stderr.getvalue().strip().splitlines()[-1]
     return None
-
-
-def _has_curve(command: str) -> bool:
-    endpoints = ["--listen", "tcp://127.0.0.1:1", "--events", "tcp://127.0.0.1:2"]
-    argv = [command, *(endpoints if command == "worker" else []), "--curve-keys", "/keys"]
-    return _cli_error(argv) is None
-
-
-def _without_pending_curve(argv: list[str]) -> list[str]:
-    """``argv`` without ``--curve-keys DIR`` while its command does not take it yet
-    (test_curve_flags_parse covers it)."""
-    if "--curve-keys" not in argv or _has_curve(argv[0]):
-        return argv
-    i = argv.index("--curve-keys")
-    return argv[:i] + argv[i + 2:]

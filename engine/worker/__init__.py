@@ -9,7 +9,8 @@
     grammar_jobs.py  grammar compiles on their own threads
     publisher.py     what the worker sends: reply streams, KV events, load reports
     events.py        the KV event wire types and their PUB/SUB transport (imported by the gateway)
+    curve.py         CURVE key files, socket keys and the ZAP handler (imported by the gateway)
 
-NOTE: nothing is imported here, so that the gateway can import ``engine.worker.events`` without
-torch; import the submodules directly.
+NOTE: nothing is imported here, so that the gateway can import ``engine.worker.events`` and
+``engine.worker.curve`` without torch; import the submodules directly.
 """

@@ -33,6 +33,7 @@ from engine.logs import configure_logging
 # NOTE: engine.worker.config.COSTS (engine.sim.COST_PRESETS), repeated so that the flags stay
 # torch-free; tests/gateway/test_serve_cli.py checks that the two agree.
 COSTS = ("cpu", "h200", "zero")
+DEFAULT_MAX_QUEUED_PER_CLIENT = 512  # NOTE: engine.worker.config's, repeated for the same reason
 PARENT_POLL_S = 0.5
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -51,6 +52,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--backend", choices=("native", "sim"), help="default native (or AGENTGATE_BACKEND)")
     add("--worker-id", help="name in Welcome and LoadReport (default host-pid)")
     add("--parent-pid", type=int, help="stop when this process dies (agentgate serve sets it)")
+    add("--curve-keys", metavar="DIR",
+        help="authenticate clients with CURVE: DIR holds the workers' key pair "
+             "(server.key_secret, from `agentgate keys DIR`) and the public keys of the "
+             "gateways allowed in (every *.key file but server.key; add a gateway by copying "
+             "its client.key in as NAME.key); every socket (--listen, --events, --replay) "
+             "refuses other clients. Required when an endpoint is not loopback")
+    add("--insecure-no-curve", action="store_true",
+        help="serve a non-loopback endpoint without --curve-keys: anyone who reaches it can "
+             "run work (logged as a warning)")
     add_engine_arguments(parser)
 
 
@@ -79,6 +89,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> list[argparse
             help="compiled-grammar cache bound, estimated MiB (default: %(default)s)"),
         add("--client-timeout-s", type=float, default=10.0,
             help="abort the requests of a client silent this long (default: %(default)s)"),
+        add("--max-queued-per-client", type=int, default=DEFAULT_MAX_QUEUED_PER_CLIENT,
+            metavar="N", help="requests one client (a gateway process) may have waiting in the "
+                              "worker; more are refused as overloaded (default: %(default)s)"),
     ]
 
 
@@ -136,7 +149,10 @@ def run(args: argparse.Namespace) -> int:
                        cost=args.cost, grammar_timeout_s=args.grammar_timeout_s,
                        max_grammar_bytes=args.max_grammar_bytes,
                        grammar_cache_bytes=args.grammar_cache_mb * 2**20,
-                       client_timeout_s=args.client_timeout_s, **extra)
+                       client_timeout_s=args.client_timeout_s,
+                       max_queued_per_client=args.max_queued_per_client,
+                       curve_keys=args.curve_keys, insecure_no_curve=args.insecure_no_curve,
+                       **extra)
     worker = Worker(cfg, engine_cfg)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: worker.stop())

@@ -7,8 +7,12 @@ import socket
 from dataclasses import dataclass, field
 
 from engine.grammar import MAX_GRAMMAR_CACHE_BYTES
+from engine.worker.curve import exposure_error
 
 COSTS = ("cpu", "h200", "zero")  # engine.sim.COST_PRESETS
+# NOTE: half the engine's waiting queue (EngineConfig.max_waiting_requests, 1024), so that no one
+# client (a gateway process, a runaway script) can fill it and starve the others
+DEFAULT_MAX_QUEUED_PER_CLIENT = 512
 MAX_STREAM_INTERVAL_S = 10.0  # NOTE: well below a client's idle timeout (the gateway's: 30 s)
 
 
@@ -31,6 +35,17 @@ class WorkerConfig:
         grammar_cache_bytes: the compiled-grammar cache's bound (estimated bytes).
         max_compiling_requests: requests waiting for their grammar at most (then overloaded).
         client_timeout_s: a client silent this long is gone and its requests are aborted.
+        max_queued_per_client: requests one client (ROUTER identity) may have waiting in the
+            worker (queued in the engine, not yet running, or waiting for their grammar); more
+            are refused ``overloaded``.
+        curve_keys: a key directory (``engine.worker.curve``): the sockets become CURVE servers
+            and accept only its authorized clients. None: no authentication, which is refused
+            when an endpoint is not loopback unless ``insecure_no_curve``.
+        insecure_no_curve: allow a non-loopback endpoint without ``curve_keys`` (logged).
+
+    Raises:
+        ValueError: an endpoint is not loopback and neither ``curve_keys`` nor
+            ``insecure_no_curve`` is set.
     """
 
     listen: str
@@ -48,6 +63,9 @@ class WorkerConfig:
     grammar_cache_bytes: int = MAX_GRAMMAR_CACHE_BYTES
     max_compiling_requests: int = 64
     client_timeout_s: float = 10.0
+    max_queued_per_client: int = DEFAULT_MAX_QUEUED_PER_CLIENT
+    curve_keys: str | None = None
+    insecure_no_curve: bool = False
 
     def __post_init__(self) -> None:
         assert self.cost in COSTS, f"cost={self.cost!r}: one of {COSTS}"
@@ -59,3 +77,15 @@ class WorkerConfig:
         assert self.grammar_cache_bytes >= 0, "grammar_cache_bytes must be >= 0"
         assert self.max_compiling_requests >= 1, "max_compiling_requests must be >= 1"
         assert self.client_timeout_s > 0, f"client_timeout_s={self.client_timeout_s}: > 0"
+        assert self.max_queued_per_client >= 1, "max_queued_per_client must be >= 1"
+        if self.curve_keys is None and not self.insecure_no_curve:
+            # NOTE: a ValueError, not an assert: a user's flags, refused even under python -O
+            error = exposure_error(self.endpoints)
+            if error is not None:
+                raise ValueError(error)
+
+    @property
+    def endpoints(self) -> dict[str, str]:
+        """The bound endpoints by flag: ``{"--listen": ..., "--events": ..., "--replay": ...}``."""
+        named = {"--listen": self.listen, "--events": self.events, "--replay": self.replay}
+        return {flag: endpoint for flag, endpoint in named.items() if endpoint is not None}

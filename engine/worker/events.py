@@ -10,6 +10,9 @@ Replay (a ROUTER socket, as vLLM's and SGLang's ``ZmqEventPublisher``): a REQ or
 sends ``[b"", start_seq (8 bytes big-endian)]``; the publisher answers every buffered batch with
 ``seq >= start_seq`` as ``[b"", seq, payload]`` and ends with ``[b"", -1 (8 bytes, signed), b""]``.
 
+Both publisher sockets may be CURVE servers and the subscriber's sockets CURVE clients
+(``curve=``, ``engine.worker.curve``): a client the publisher's ZAP handler refuses gets nothing.
+
 Block hashes are the signed int64 chained page hashes of ``engine.hashing`` (one per page).
 
 The SWA extension adds event types that say where SWA KV is cached, so that a router credits
@@ -55,6 +58,8 @@ from typing import Any
 
 import msgspec
 import zmq
+
+from engine.worker.curve import CurveClientKeys, CurveServerKeys
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +212,8 @@ class EventPublisher:
         replay_endpoint: where to bind the replay ROUTER socket; None for no replay.
         topic: the first frame of every message (SUB sockets filter on its prefix).
         data_parallel_rank: written into every batch.
+        curve: bind both sockets as CURVE servers (``engine.worker.curve``; the caller runs the
+            context's ZAP handler); None: no authentication.
     """
 
     def __init__(
@@ -219,20 +226,21 @@ class EventPublisher:
         hwm: int = 100_000,
         data_parallel_rank: int = 0,
         context: zmq.Context[Any] | None = None,
+        curve: CurveServerKeys | None = None,
     ) -> None:
         ctx = context or zmq.Context.instance()
         self._topic = topic.encode("utf-8")
         self._rank = data_parallel_rank
         self._next_seq = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._pub, self.endpoint = _bound_socket(ctx, zmq.PUB, endpoint, hwm)
+        self._pub, self.endpoint = _bound_socket(ctx, zmq.PUB, endpoint, hwm, curve)
         self._replay: zmq.Socket[bytes] | None = None
         self.replay_endpoint: str | None = None
         if replay_endpoint is not None:
             # NOTE: room for one whole replay per client; beyond it ROUTER drops, never blocks.
             try:
                 self._replay, self.replay_endpoint = _bound_socket(
-                    ctx, zmq.ROUTER, replay_endpoint, buffer_steps + 2
+                    ctx, zmq.ROUTER, replay_endpoint, buffer_steps + 2, curve
                 )
             except zmq.ZMQError:
                 self._pub.close(linger=0)
@@ -320,6 +328,7 @@ class EventSubscriber:
         endpoint: the publisher's PUB endpoint.
         replay_endpoint: the publisher's replay endpoint, for ``replay()``.
         topic: subscribe to topics starting with this prefix ("" for all).
+        curve: connect as a CURVE client (a publisher with ``--curve-keys``); None: plain.
     """
 
     def __init__(
@@ -329,10 +338,14 @@ class EventSubscriber:
         replay_endpoint: str | None = None,
         topic: str = "",
         context: zmq.Context[Any] | None = None,
+        curve: CurveClientKeys | None = None,
     ) -> None:
         self._ctx = context or zmq.Context.instance()
+        self._curve = curve
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            curve.apply(self._sub)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
         self._sub.connect(endpoint)
         self._replay_endpoint = replay_endpoint
@@ -368,7 +381,8 @@ class EventSubscriber:
         """
         if self._replay_endpoint is None:
             raise RuntimeError("EventSubscriber.replay needs a replay_endpoint")
-        return request_replay(self._ctx, self._replay_endpoint, start_seq, timeout_s)
+        return request_replay(self._ctx, self._replay_endpoint, start_seq, timeout_s,
+                              curve=self._curve)
 
     def close(self) -> None:
         self._sub.close(linger=0)
@@ -404,10 +418,12 @@ def _decode_event(raw: msgspec.Raw) -> KVEvent | None:
 
 
 def request_replay(
-    context: zmq.Context[Any], endpoint: str, start_seq: int, timeout_s: float
+    context: zmq.Context[Any], endpoint: str, start_seq: int, timeout_s: float,
+    *, curve: CurveClientKeys | None = None,
 ) -> list[tuple[int, KVEventBatch]]:
     """The batches with ``seq >= start_seq`` that the publisher at ``endpoint`` (its replay
-    socket) still buffers, oldest first; see ``EventSubscriber.replay``.
+    socket) still buffers, oldest first; see ``EventSubscriber.replay``. ``curve``: connect as
+    a CURVE client (a publisher that refuses us never answers: a ``TimeoutError``).
 
     Raises:
         TimeoutError: the publisher did not finish answering within ``timeout_s``.
@@ -416,6 +432,8 @@ def request_replay(
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     try:
+        if curve is not None:
+            curve.apply(dealer)
         dealer.connect(endpoint)
         dealer.send_multipart([b"", _seq_bytes(start_seq)])
         return _collect_replay(dealer, time.monotonic() + timeout_s)
@@ -447,15 +465,19 @@ def _seq_bytes(seq: int) -> bytes:
 
 
 def _bound_socket(
-    ctx: zmq.Context[Any], kind: int, endpoint: str, send_hwm: int
+    ctx: zmq.Context[Any], kind: int, endpoint: str, send_hwm: int,
+    curve: CurveServerKeys | None = None,
 ) -> tuple[zmq.Socket[bytes], str]:
-    """A socket bound to ``endpoint``, and the address it bound (port 0 -> the port picked)."""
+    """A socket bound to ``endpoint`` (a CURVE server with ``curve``), and the address it bound
+    (port 0 -> the port picked)."""
     if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
         endpoint = endpoint[:-2] + ":*"
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.SNDHWM, send_hwm)
     sock.setsockopt(zmq.LINGER, 0)
     try:
+        if curve is not None:
+            curve.apply(sock)
         sock.bind(endpoint)
     except zmq.ZMQError:
         sock.close(linger=0)

@@ -31,6 +31,7 @@ from engine.engine import EngineStats
 from engine.kv.prefix_cache import CacheEvent
 from engine.protocol import ErrorReply, Finished, FinishReason, LoadReport, TokenDelta, encode
 from engine.sequence import Sequence
+from engine.worker.curve import CurveServerKeys
 from engine.worker.events import (
     SEQ_BYTES,
     AllBlocksCleared,
@@ -130,9 +131,10 @@ class WorkerPublisher(EventPublisher):
     """An ``EventPublisher`` on topic ``b"kv"`` that also sends load reports under ``b"load"``."""
 
     def __init__(self, endpoint: str, *, replay_endpoint: str | None = None,
-                 context: zmq.Context[Any] | None = None) -> None:
+                 context: zmq.Context[Any] | None = None,
+                 curve: CurveServerKeys | None = None) -> None:
         super().__init__(endpoint, replay_endpoint=replay_endpoint, topic=KV_TOPIC,
-                         context=context)
+                         context=context, curve=curve)
         self._load_topic = LOAD_TOPIC.encode("utf-8")
         self._load_seq = 0
 

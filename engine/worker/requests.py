@@ -14,7 +14,7 @@ from engine.engine import Engine
 from engine.grammar import GrammarMatcher
 from engine.protocol import Abort, ErrorReply, Finished, Generate, Retain
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.sequence import Sequence, Status
 from engine.worker.admission import add_to_engine, check_generate
 from engine.worker.config import WorkerConfig
 from engine.worker.grammar_jobs import Failed, GrammarJobs
@@ -39,6 +39,9 @@ class RequestManager:
     A request is either compiling (waiting for its grammar, not in the engine yet) or running (in
     the engine, with a ``RequestStream``); its client's id maps to the engine's id, which is
     unique across clients. Replies go through ``replies``.
+
+    A client may have at most ``cfg.max_queued_per_client`` requests waiting (compiling, or in
+    the engine and not running); its next ``Generate`` is refused ``overloaded``.
     """
 
     def __init__(self, cfg: WorkerConfig, engine: Engine, grammars: GrammarJobs,
@@ -53,6 +56,9 @@ class RequestManager:
         self._by_client: dict[tuple[bytes, str], str] = {}
         # NOTE: the same for finished requests, as many as the engine remembers ends (Retain)
         self._finished: OrderedDict[tuple[bytes, str], str] = OrderedDict()
+        # NOTE: identity -> engine ids that may still wait: a superset of its waiting requests
+        # (the engine starts them unseen), pruned only when the client reaches its cap
+        self._queued: dict[bytes, set[str]] = {}
         self._ids = itertools.count()
 
     @property
@@ -69,6 +75,11 @@ class RequestManager:
         if (identity, rid) in self._by_client:
             self._replies.error(identity, rid, "duplicate_request",
                                 f"request {rid!r} is still running")
+            return
+        if not self._can_queue(identity):
+            text = (f"this client has {self.cfg.max_queued_per_client} requests waiting on this "
+                    "worker (--max-queued-per-client)")
+            self._replies.error(identity, rid, "overloaded", text)
             return
         params = check_generate(msg, self.engine, self.cfg.max_grammar_bytes)
         if isinstance(params, ErrorReply):
@@ -89,6 +100,7 @@ class RequestManager:
             if pending is None:
                 continue  # NOTE: aborted or dropped meanwhile
             self._by_client.pop((pending.identity, pending.msg.request_id), None)
+            self._unqueue(pending.identity, result.request_id)  # NOTE: _admit queues it again
             if isinstance(result, Failed):
                 self._replies.error(pending.identity, pending.msg.request_id, result.code,
                                     result.message)
@@ -171,6 +183,28 @@ class RequestManager:
 
     # ------------------------------------------------------------------ helpers
 
+    def _can_queue(self, identity: bytes) -> bool:
+        """Whether ``identity`` is below its cap of waiting requests (pruning its set first
+        when the set alone says no: the cheap check is right on almost every call)."""
+        queued = self._queued.get(identity)
+        cap = self.cfg.max_queued_per_client
+        if queued is None or len(queued) < cap:
+            return True
+        queued.difference_update([e for e in queued if not self._is_waiting(e)])
+        return len(queued) < cap
+
+    def _is_waiting(self, engine_id: str) -> bool:
+        req = self._requests.get(engine_id)
+        return engine_id in self._compiling or (
+            req is not None and req.seq.status is Status.WAITING)
+
+    def _unqueue(self, identity: bytes, engine_id: str) -> None:
+        queued = self._queued.get(identity)
+        if queued is not None:
+            queued.discard(engine_id)
+            if not queued:
+                del self._queued[identity]  # NOTE: bounded by the clients with requests
+
     def _compile(self, identity: bytes, msg: Generate, params: SamplingParams,
                  engine_id: str) -> None:
         """Queue the request's grammar; ``admit_compiled`` admits it once compiled."""
@@ -182,6 +216,7 @@ class RequestManager:
         self._grammars.submit(engine_id, params.structured)
         self._compiling[engine_id] = _Compiling(identity, msg, params)
         self._by_client[(identity, msg.request_id)] = engine_id
+        self._queued.setdefault(identity, set()).add(engine_id)
 
     def _admit(self, identity: bytes, msg: Generate, params: SamplingParams, engine_id: str,
                grammar: GrammarMatcher | None) -> None:
@@ -196,6 +231,7 @@ class RequestManager:
             last_sent_s=time.monotonic(),
         )
         self._by_client[(identity, rid)] = engine_id
+        self._queued.setdefault(identity, set()).add(engine_id)
 
     def _abort_compiling(self, engine_id: str) -> None:
         """End a request still waiting for its grammar (its compile goes on if shared)."""
@@ -215,6 +251,7 @@ class RequestManager:
     def _forget(self, identity: bytes, request_id: str) -> None:
         engine_id = self._by_client.pop((identity, request_id), None)
         if engine_id is not None:
+            self._unqueue(identity, engine_id)
             self._requests.pop(engine_id, None)
             if self._compiling.pop(engine_id, None) is not None:
                 self._grammars.cancel(engine_id)

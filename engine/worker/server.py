@@ -18,8 +18,9 @@ the identity that sent the message. Message flow:
   ``context_too_long`` (prompt + max_new_tokens > Welcome.max_context), ``invalid_grammar``
   (``sampling.structured`` does not compile, is larger than ``max_grammar_bytes``, takes longer
   than ``grammar_timeout_s`` to compile, or the worker has no tokenizer.json),
-  ``overloaded`` (the waiting queue, or the queue of grammars to compile, is full), ``internal``
-  (the engine raised; the request is gone). The exception:
+  ``overloaded`` (the waiting queue, or the queue of grammars to compile, is full, or this client
+  already has ``max_queued_per_client`` requests waiting), ``internal`` (the engine raised; the
+  request is gone). The exception:
   ``ErrorReply(request_id, "duplicate_request")`` refuses a Generate whose id this client
   already has running, and that running request goes on (its own end still comes).
   NOTE (failed requests): a request the scheduler cannot fit in KV memory even with nothing else
@@ -41,6 +42,10 @@ until its grammar is ready, while the loop goes on stepping and answering.
 Request ids are scoped by client: two clients may both run a request "r1". A client that has sent
 nothing (a heartbeat ``GetLoad`` included) for ``client_timeout_s`` counts as gone: its requests
 are aborted (a ``Finished("abort")`` is still sent, in case it only stopped talking).
+
+With ``--curve-keys DIR`` the ROUTER, PUB and replay sockets are CURVE servers that accept only
+the clients authorized in DIR (``engine.worker.curve``); an unauthorized client's handshake fails
+and it gets nothing. Without keys every endpoint must be loopback (or ``--insecure-no-curve``).
 
 The PUB socket (``--events``) carries KV events under topic ``b"kv"`` once per engine step and a
 ``LoadReport`` under ``b"load"`` about every second (every 100 ms at most while stepping); see
@@ -80,6 +85,12 @@ from engine.protocol import (
 from engine.sequence import Sequence
 from engine.worker.clients import ClientWatch
 from engine.worker.config import COSTS, WorkerConfig
+from engine.worker.curve import (
+    ClientAuthenticator,
+    CurveServerKeys,
+    is_loopback_endpoint,
+    load_server_keys,
+)
 from engine.worker.grammar_jobs import GrammarJobs
 from engine.worker.publisher import KVEventBuffer, WorkerPublisher, load_report
 from engine.worker.replies import ReplySender
@@ -140,6 +151,8 @@ class Worker:
         self._grammars.close()
         self._router.close(linger=0)
         self._pub.close()
+        if self._auth is not None:
+            self._auth.stop()  # NOTE: after the sockets: they must never be open without it
 
     @property
     def num_compiling_grammars(self) -> int:
@@ -161,17 +174,39 @@ class Worker:
         self._sim_clock_s = (lambda: runner.clock_s) if cost is not None else (lambda: 0.0)
 
     def _init_sockets(self) -> None:
+        self._auth: ClientAuthenticator | None = None
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         try:
+            curve = self._start_auth()
+            if curve is not None:
+                curve.apply(self._router)
             self._router.bind(_any_port(self.cfg.listen))
             self.listen_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
             self._pub = WorkerPublisher(self.cfg.events, replay_endpoint=self.cfg.replay,
-                                        context=self._ctx)
-        except zmq.ZMQError:
+                                        context=self._ctx, curve=curve)
+        except Exception:
             self._router.close(linger=0)
             self._grammars.close()
+            if self._auth is not None:
+                self._auth.stop()
             raise
+
+    def _start_auth(self) -> CurveServerKeys | None:
+        """With ``curve_keys``: the server keys, once the ZAP handler that checks the clients
+        runs (NOTE: before any CURVE socket binds; without it CURVE accepts any client key)."""
+        if self.cfg.curve_keys is None:
+            exposed = [ep for ep in self.cfg.endpoints.values() if not is_loopback_endpoint(ep)]
+            if exposed:  # NOTE: only with insecure_no_curve (WorkerConfig refuses otherwise)
+                logger.warning("--insecure-no-curve: %s served without authentication; anyone "
+                               "who reaches them can run work here", ", ".join(exposed))
+            return None
+        curve = load_server_keys(Path(self.cfg.curve_keys))
+        self._auth = ClientAuthenticator(self._ctx, curve.clients)
+        self._auth.start()
+        logger.info("CURVE on: %d authorized client key(s) from %s", len(curve.clients),
+                    self.cfg.curve_keys)
+        return curve
 
     def _make_welcome(self) -> Welcome:
         e = self.engine

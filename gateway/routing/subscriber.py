@@ -17,6 +17,7 @@ from typing import Any
 import zmq
 
 from engine.protocol import LoadReport, decode_worker
+from engine.worker.curve import CurveClientKeys
 from engine.worker.events import (
     SEQ_BYTES,
     EventDecodeError,
@@ -45,6 +46,7 @@ class KVEventSubscriber:
         lock: held while the index is touched.
         replay_timeout_s: how long one replay may take before the gap is resynced.
         catch_up_s: with no message for this long, ask a replay of what may have been lost.
+        curve: connect the SUB and replay sockets as CURVE clients (``engine.worker.curve``).
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class KVEventSubscriber:
         replay_timeout_s: float = 2.0,
         catch_up_s: float = 1.0,
         context: zmq.Context[Any] | None = None,
+        curve: CurveClientKeys | None = None,
     ) -> None:
         self.index, self.worker_id = index, worker_id
         self.lock = lock or threading.Lock()
@@ -68,6 +71,9 @@ class KVEventSubscriber:
         self._last_batch_s = time.monotonic()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
+        self._curve = curve
+        if curve is not None:
+            curve.apply(self._sub)
         for topic in (_KV, _LOAD):
             self._sub.setsockopt(zmq.SUBSCRIBE, topic)
         self._sub.connect(endpoint)
@@ -205,7 +211,7 @@ class KVEventSubscriber:
             return None
         try:
             return request_replay(self._ctx, self._replay_endpoint, start_seq,
-                                  self._replay_timeout_s)
+                                  self._replay_timeout_s, curve=self._curve)
         except (TimeoutError, EventDecodeError) as exc:
             logger.warning("worker %s: KV event replay failed: %s", self.worker_id, exc)
             return None

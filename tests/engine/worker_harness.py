@@ -34,6 +34,7 @@ from engine.protocol import (
     decode_worker_items,
     encode,
 )
+from engine.worker.curve import CurveClientKeys
 from engine.worker.events import KVEvent, decode_batch
 from engine.worker.server import Worker, WorkerConfig
 from gateway.serve import START_LINE, WorkerProcess, spawn_worker
@@ -52,11 +53,13 @@ _prompt_ids = iter(range(1, 10**6))
 
 
 class Client:
-    """A DEALER on the worker's ROUTER, with bounded waits."""
+    """A DEALER on the worker's ROUTER, with bounded waits (a CURVE client with ``curve``)."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, curve: CurveClientKeys | None = None) -> None:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            curve.apply(self.sock)
         self.sock.connect(endpoint)
         self.pending: deque[WorkerMsg] = deque()
 
@@ -98,11 +101,14 @@ class Client:
 
 
 class Subscription:
-    """A SUB socket on both topics, ready once a load report arrived (no slow-joiner loss)."""
+    """A SUB socket on both topics, ready once a load report arrived (no slow-joiner loss); a
+    CURVE client with ``curve``."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, curve: CurveClientKeys | None = None) -> None:
         self.sock = zmq.Context.instance().socket(zmq.SUB)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            curve.apply(self.sock)
         for topic in (b"kv", b"load"):
             self.sock.setsockopt(zmq.SUBSCRIBE, topic)
         self.sock.connect(endpoint)
