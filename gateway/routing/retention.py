@@ -23,6 +23,7 @@ Pure (no clock reads: callers pass ``now_s``); the ``send_retain`` callback is
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -220,12 +221,22 @@ class ToolPauseRetention:
     def num_paused(self) -> int:
         return len(self._paused)
 
-    def collect(self, loads: Iterable[tuple[str, LoadReport | None]] = ()) -> Iterator[Metric]:
+    def num_retained(self, now_s: float) -> int:
+        """The paused conversations whose retention has not expired at ``now_s``. NOTE: an
+        expired pause stays tracked (``num_paused``) so that a late resume still teaches the
+        learner how long the pause really was; a scan, for scrapes only."""
+        return sum(1 for p in self._paused.values() if p.since_s + p.ttl_s > now_s)
+
+    def collect(self, loads: Iterable[tuple[str, LoadReport | None]] = (), *,
+                now_s: float | None = None) -> Iterator[Metric]:
         """The retention metrics (``agentgate_retention_*``); ``loads``: (worker, its last
-        LoadReport) for the workers' retained pages and expiries."""
+        LoadReport) for the workers' retained pages and expiries; ``now_s``: the clock the
+        pauses were given (``time.monotonic()`` by default)."""
         p = "agentgate_retention_"
+        now_s = time.monotonic() if now_s is None else now_s
         yield GaugeMetricFamily(p + "paused_conversations", "Conversations paused in a tool "
-                                "call with their resume point retained", value=self.num_paused)
+                                "call with their resume point retained (TTL not run out)",
+                                value=self.num_retained(now_s))
         for name, text, value in (
             ("retains", "Retain messages sent after a turn ended in tool calls",
              self.num_retains),

@@ -161,7 +161,7 @@ def test_metrics() -> None:
 
     class _Collector:
         def collect(self):  # type: ignore[no-untyped-def]
-            return tracker.collect([("w0", load), ("w1", None)])
+            return tracker.collect([("w0", load), ("w1", None)], now_s=1.0)
 
     registry = CollectorRegistry()
     registry.register(_Collector())  # type: ignore[arg-type]
@@ -170,6 +170,24 @@ def test_metrics() -> None:
     assert 'agentgate_retention_worker_expired_total{worker="w0"} 3.0' in text
     assert "agentgate_retention_resumed_cached_tokens_total 990.0" in text
     assert "agentgate_retention_paused_conversations 1.0" in text
+
+
+def test_paused_gauge_counts_only_unexpired_retentions() -> None:
+    """A pause whose TTL ran out is no longer retained on the worker: the gauge leaves it out,
+    while the tracker keeps it to learn from a late resume (how long the pause really was)."""
+    tracker = ToolPauseRetention(send_retain=_Sent())
+    ttl_s = tracker.paused("s", "r", "t", ["x"], 100.0)
+    assert ttl_s is not None and ttl_s > 0
+
+    def gauge(now_s: float) -> float:
+        [family] = [m for m in tracker.collect(now_s=now_s)
+                    if m.name == "agentgate_retention_paused_conversations"]
+        return family.samples[0].value
+
+    assert gauge(100.0 + ttl_s - 1.0) == 1.0
+    assert gauge(100.0 + ttl_s + 1.0) == 0.0
+    pause = tracker.resumed("s", 100.0 + 2 * ttl_s)
+    assert pause is not None and pause.request_id == "r"
 
 
 def test_answered_calls_after_the_last_assistant_message() -> None:
