@@ -50,8 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CliError, ValueError, FileNotFoundError) as e:
         print(f"agentgate: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:
+        from gateway.serve import Terminated
+
+        return 0 if isinstance(e, Terminated) else 130
 
 
 def default_model_dir() -> Path:

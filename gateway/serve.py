@@ -250,8 +250,13 @@ def _adopt_library_loggers() -> None:
     configure_logging("gateway")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM while ``serve`` starts its workers: everything is stopped as for Ctrl-C, and the
+    exit status is 0, as it is for a SIGTERM once serving (a supervisor's normal stop)."""
+
+
 def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+    raise Terminated(f"signal {signum}")
 
 
 def _check_redis(url: str) -> None:

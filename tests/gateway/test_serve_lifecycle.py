@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.gateway.live import free_port, spawn_serve
 from tests.gateway.serve_proc import ServeProc, alive, proc_state, serve_proc, wait_until
 
 WORKERS_GONE_S = 15.0  # NOTE: generous for a noisy 2-core box; the mechanism takes ~1 s
@@ -31,6 +32,33 @@ def test_signal_stops_gateway_and_its_workers(
         rc = serve.stop(sig)
         assert rc == 0, serve.output()
         wait_until(lambda: not alive(pids), WORKERS_GONE_S, f"workers {pids} gone after {sig}")
+
+
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)],
+                         ids=["SIGTERM", "SIGINT"])
+def test_signal_while_workers_start_stops_them(
+    sim_model_dir: Path, tmp_path: Path, sig: int, status: int
+) -> None:
+    """A signal while ``serve`` still waits for its first worker: every worker spawned so far is
+    stopped, and SIGTERM (a supervisor's stop) is a clean exit 0, as it is once serving; SIGINT
+    (Ctrl-C) keeps the shell's 130."""
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        proc = spawn_serve(sim_model_dir, port, "--workers", "2", stdout=log)
+    serve = ServeProc(proc, port, log_path)
+    pids: list[int] = []
+    try:
+        pids = wait_until(serve.worker_pids, 30, "the first worker spawned")
+        assert serve.stop(sig) == status, serve.output()
+        assert "gateway on http" not in serve.output(), "it was serving already"
+        wait_until(lambda: not alive(pids), WORKERS_GONE_S, f"workers {pids} gone after {sig}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in alive(pids):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_workers_die_with_a_sigkilled_gateway(sim_model_dir: Path, tmp_path: Path) -> None:
