@@ -84,3 +84,27 @@ def _wait_for_redis(port: int, proc: subprocess.Popen[bytes], log: Path) -> None
         time.sleep(0.05)
     text = log.read_text() if log.exists() else ""
     pytest.fail(f"redis-server did not start on port {port} (rc={proc.poll()}):\n{text}")
+
+
+@pytest.fixture(scope="module")
+def curve_key_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """CURVE keys (``agentgate keys``) for one module's workers and clients."""
+    from engine.worker.curve import write_keys
+
+    out = tmp_path_factory.mktemp("curve")
+    write_keys(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def curve_worker(curve_key_dir: Path) -> Iterator[object]:
+    """A sim worker with ``--curve-keys`` and a replay socket, for one module; SIGTERM must stop
+    it cleanly (exit 0)."""
+    from gateway.serve import ANY_PORT, spawn_worker
+    from tests.engine.worker_harness import START_TIMEOUT_S, running
+
+    worker = spawn_worker(model_dir=None, backend="sim", worker_id="curve", replay=ANY_PORT,
+                          extra_args=["--curve-keys", str(curve_key_dir), "--cost", "zero"],
+                          timeout_s=START_TIMEOUT_S)
+    with running(worker):
+        yield worker

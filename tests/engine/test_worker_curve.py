@@ -9,7 +9,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -44,25 +43,8 @@ RUN_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def key_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("curve")
-    write_keys(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def keys(key_dir: Path) -> CurveClientKeys:
-    return load_client_keys(key_dir)
-
-
-@pytest.fixture(scope="module")
-def curve_worker(key_dir: Path) -> Iterator[WorkerProcess]:
-    """A sim worker with ``--curve-keys`` and a replay socket; SIGTERM must stop it cleanly."""
-    worker = spawn_worker(model_dir=None, backend="sim", worker_id="curve", replay=ANY_PORT,
-                          extra_args=["--curve-keys", str(key_dir), "--cost", "zero"],
-                          timeout_s=START_TIMEOUT_S)
-    with running(worker):
-        yield worker
+def keys(curve_key_dir: Path) -> CurveClientKeys:
+    return load_client_keys(curve_key_dir)
 
 
 @pytest.fixture
@@ -174,10 +156,10 @@ def test_worker_with_missing_keys_refuses_to_start(tmp_path: Path) -> None:
     assert done.returncode == 2 and "server.key_secret" in done.stderr, done.stderr
 
 
-def test_zap_thread_ends_with_the_worker(key_dir: Path, keys: CurveClientKeys) -> None:
+def test_zap_thread_ends_with_the_worker(curve_key_dir: Path, keys: CurveClientKeys) -> None:
     context = zmq.Context()  # NOTE: one ZAP handler per context: not the shared instance
     before = set(threading.enumerate())
-    cfg = WorkerConfig(listen=ANY_PORT, events=ANY_PORT, cost="zero", curve_keys=str(key_dir))
+    cfg = WorkerConfig(listen=ANY_PORT, events=ANY_PORT, cost="zero", curve_keys=str(curve_key_dir))
     worker = Worker(cfg, EngineConfig(backend="sim"), context=context)
     thread = threading.Thread(target=worker.serve, daemon=True)
     thread.start()

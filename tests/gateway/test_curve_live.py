@@ -6,41 +6,24 @@ never gets a Welcome; a real ``agentgate serve --curve-keys`` answers a chat com
 
 import asyncio
 import stat
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from engine.protocol import Finished, Generate, SamplingSpec
-from engine.worker.curve import KEY_FILES, CurveClientKeys, load_client_keys, write_keys
+from engine.worker.curve import KEY_FILES, CurveClientKeys, load_client_keys
 from gateway.cli import _build_parser, main, serve_kwargs
 from gateway.dispatch import Dispatcher, WorkerClient
 from gateway.dispatch_errors import HandshakeError
 from gateway.generation import route_request
-from gateway.serve import ANY_PORT, WorkerProcess, spawn_worker
-from tests.gateway.live import WORKER_START_TIMEOUT_S
+from gateway.serve import WorkerProcess
 from tests.gateway.serve_proc import _cmdline, serve_proc
 
 TEST_TIMEOUT_S = 60.0
 WAIT_S = 10.0
 REFUSED_WAIT_S = 1.0
-
-
-@pytest.fixture(scope="module")
-def key_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("curve")
-    write_keys(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def curve_worker(key_dir: Path) -> Iterator[WorkerProcess]:
-    worker = spawn_worker(model_dir=None, backend="sim", worker_id="curve-gw", replay=ANY_PORT,
-                          extra_args=["--curve-keys", str(key_dir), "--cost", "zero"],
-                          timeout_s=WORKER_START_TIMEOUT_S)
-    yield worker
-    worker.stop()
 
 
 def test_keys_writes_private_secrets_and_refuses_to_overwrite(
@@ -66,24 +49,24 @@ def test_keys_writes_private_secrets_and_refuses_to_overwrite(
 
 
 def test_serve_curve_keys_reach_the_gateway_and_the_workers(
-    key_dir: Path, sim_model_dir: Path, tmp_path: Path
+    curve_key_dir: Path, sim_model_dir: Path, tmp_path: Path
 ) -> None:
     args = _build_parser().parse_args([
         "serve", "--model", str(sim_model_dir), "--tenant-secret-file", str(tmp_path / "s"),
-        "--curve-keys", str(key_dir), "--cost", "h200"])
+        "--curve-keys", str(curve_key_dir), "--cost", "h200"])
     kwargs = serve_kwargs(args, env={})
-    assert kwargs["worker_args"] == ["--cost", "h200", "--curve-keys", str(key_dir.resolve())]
-    assert kwargs["gateway_options"]["curve_keys"] == load_client_keys(key_dir)
+    assert kwargs["worker_args"] == ["--cost", "h200", "--curve-keys", str(curve_key_dir.resolve())]
+    assert kwargs["gateway_options"]["curve_keys"] == load_client_keys(curve_key_dir)
     args.curve_keys = str(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="client.key_secret"):
         serve_kwargs(args, env={})
 
 
 def test_dispatcher_with_keys_streams_and_follows_the_kv_events(
-    curve_worker: WorkerProcess, key_dir: Path
+    curve_worker: WorkerProcess, curve_key_dir: Path
 ) -> None:
     async def main() -> None:
-        client = WorkerClient(curve_worker.listen, curve=load_client_keys(key_dir),
+        client = WorkerClient(curve_worker.listen, curve=load_client_keys(curve_key_dir),
                               first_token_timeout_s=WAIT_S)
         dispatcher = Dispatcher([client], router="agentgate")
         client.start()
@@ -106,11 +89,11 @@ def test_dispatcher_with_keys_streams_and_follows_the_kv_events(
 
 @pytest.mark.parametrize("curve", ["none", "stranger"])
 def test_client_without_the_keys_gets_no_welcome(
-    curve_worker: WorkerProcess, key_dir: Path, curve: str
+    curve_worker: WorkerProcess, curve_key_dir: Path, curve: str
 ) -> None:
     import zmq
 
-    keys = load_client_keys(key_dir)
+    keys = load_client_keys(curve_key_dir)
     public, secret = zmq.curve_keypair()
     stranger = CurveClientKeys(public=public, secret=secret, server_public=keys.server_public)
 
@@ -124,15 +107,15 @@ def test_client_without_the_keys_gets_no_welcome(
 
 
 def test_serve_with_curve_keys_answers_a_chat_completion(
-    key_dir: Path, sim_model_dir: Path, tmp_path: Path
+    curve_key_dir: Path, sim_model_dir: Path, tmp_path: Path
 ) -> None:
-    with serve_proc(sim_model_dir, tmp_path, "--curve-keys", str(key_dir)) as serve:
+    with serve_proc(sim_model_dir, tmp_path, "--curve-keys", str(curve_key_dir)) as serve:
         body = serve.chat(max_tokens=3)
         assert body["choices"][0]["message"]["content"] is not None, body
         assert body["usage"]["completion_tokens"] == 3, body
         [worker] = serve.worker_pids()
         argv = _cmdline(worker).split(b"\0")
-        assert argv[argv.index(b"--curve-keys") + 1] == str(key_dir.resolve()).encode(), argv
+        assert argv[argv.index(b"--curve-keys") + 1] == str(curve_key_dir.resolve()).encode(), argv
         assert "refused a CURVE client" not in serve.output()
 
 

@@ -174,13 +174,8 @@ def test_sse_stream_of_a_restarted_worker_goes_on_on_its_new_incarnation(
     body = _chat(stream=True, seed=4, max_tokens=300)
     with serve_app(_config(tokenizer_dir, endpoint, 0.5, 10.0)) as served:
         served.app.state.dispatcher.retry_wait_s = 60.0  # NOTE: a slow box restarts slowly
-        events: list[str] = []
         with served.http.stream("POST", URL, json=body) as resp:
-            assert resp.status_code == 200, resp.read()
-            lines = (line.removeprefix("data: ") for line in resp.iter_lines()
-                     if line.startswith("data: "))
-            while not any('"content"' in e and '"role"' not in e for e in events):
-                events.append(next(lines))  # NOTE: until a generated token arrived
+            events, lines = _until_first_token(resp)
             restarter = threading.Thread(
                 target=lambda: asyncio.run(_kill_and_restart(workers, endpoint, "cpu")))
             restarter.start()
@@ -200,13 +195,8 @@ def test_sse_stream_of_a_restarted_worker_ends_with_an_error_without_migration(
     workers.append(start_worker_on(endpoint, "incarnation", "cpu"))
     cfg = _config(tokenizer_dir, endpoint, 0.5, 10.0, migration_limit=0)
     with serve_app(cfg) as served:
-        events: list[str] = []
         with served.http.stream("POST", URL, json=_chat(stream=True)) as resp:
-            assert resp.status_code == 200, resp.read()
-            lines = (line.removeprefix("data: ") for line in resp.iter_lines()
-                     if line.startswith("data: "))
-            while not any('"content"' in e and '"role"' not in e for e in events):
-                events.append(next(lines))  # NOTE: until a generated token arrived
+            events, lines = _until_first_token(resp)
             restarter = threading.Thread(
                 target=lambda: asyncio.run(_kill_and_restart(workers, endpoint, "cpu")))
             killed_at = time.monotonic()
@@ -359,3 +349,13 @@ def _chat(**overrides: Any) -> dict[str, Any]:
     body = {"model": "demo", "messages": [{"role": "user", "content": "Count to a thousand."}],
             "max_tokens": LONG_TOKENS}
     return body | overrides
+
+
+def _until_first_token(resp: httpx.Response) -> tuple[list[str], Iterator[str]]:
+    """An SSE response's data events up to the first generated token, and the rest to come."""
+    assert resp.status_code == 200, resp.read()
+    lines = (line.removeprefix("data: ") for line in resp.iter_lines() if line.startswith("data: "))
+    events: list[str] = []
+    while not any('"content"' in e and '"role"' not in e for e in events):
+        events.append(next(lines))
+    return events, lines
