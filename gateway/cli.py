@@ -192,7 +192,8 @@ def serve_kwargs(args: argparse.Namespace, env: Mapping[str, str] | None = None
         "worker_args": [*engine_argv(args), *worker_curve],
         "limits": HttpLimits(
             header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-            max_connections=args.max_connections, drain_timeout_s=args.drain_timeout),
+            max_connections=args.max_connections, drain_timeout_s=args.drain_timeout,
+            keep_alive_timeout_s=args.keep_alive_timeout),
         "gateway_options": {
             "first_token_timeout_s": args.first_token_timeout,
             "idle_timeout_s": args.idle_timeout,
@@ -312,6 +313,9 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                       help="a request body may stall this long between two pieces (408)")
     http.add_argument("--max-connections", type=_positive_int, default=2048, metavar="N",
                       help="connections served at once; requests on more get 503")
+    http.add_argument("--keep-alive-timeout", type=_positive, default=5.0, metavar="S",
+                      help="an idle keep-alive connection is closed after this long; behind a "
+                           "load balancer, set it above the balancer's idle timeout")
     http.add_argument("--drain-timeout", type=_non_negative, default=30.0, metavar="S",
                       help="on SIGINT/SIGTERM, requests in flight may finish for this long; "
                            "then they end with an error")

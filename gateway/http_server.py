@@ -41,17 +41,20 @@ class HttpLimits:
     body_timeout_s: a request body may stall this long between two pieces (408 after).
     max_connections: connections served at once; requests on more get 503.
     drain_timeout_s: on shutdown, requests in flight may finish for this long.
+    keep_alive_timeout_s: an idle keep-alive connection is closed after this long.
     """
 
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections: int = 2048
     drain_timeout_s: float = 30.0
+    keep_alive_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         assert self.header_timeout_s > 0 and self.body_timeout_s > 0, f"{self}: timeouts > 0"
         assert self.max_connections >= 1, f"{self.max_connections=}: >= 1"
         assert self.drain_timeout_s >= 0, f"{self.drain_timeout_s=}: >= 0"
+        assert self.keep_alive_timeout_s > 0, f"{self.keep_alive_timeout_s=}: > 0"
 
 
 class GatewayServer(uvicorn.Server):
@@ -114,6 +117,7 @@ def make_server(app: Any, *, host: str, limits: HttpLimits, **callbacks: Callabl
         # NOTE: uvicorn counts the connection asking too, so N + 1 lets N be served
         limit_concurrency=limits.max_connections + 1,
         timeout_graceful_shutdown=limits.drain_timeout_s + END_GRACE_S,
+        timeout_keep_alive=limits.keep_alive_timeout_s,
         # NOTE: a little above the app's own bound, so that the session WebSocket handler (not
         # uvicorn's bare close 1009) answers an oversize frame with a frame_too_large error
         ws_max_size=app.state.cfg.max_body_bytes + WS_FRAME_SLACK_BYTES,

@@ -1,7 +1,7 @@
 """The HTTP server of ``agentgate serve`` against slow and greedy clients, over real sockets: a
 request head or body that stalls is cut off (408) within its timeout, connections beyond
 ``--max-connections`` get 503, and ordinary requests (a body sent in pieces, keep-alive) are
-unaffected."""
+unaffected), and an idle keep-alive connection is closed after `--keep-alive-timeout`."""
 
 import json
 import socket
@@ -15,6 +15,7 @@ from tests.gateway.serve_proc import ServeProc, serve_proc
 
 HEADER_TIMEOUT_S = 1.5
 BODY_TIMEOUT_S = 2.0
+KEEP_ALIVE_S = 8.0  # NOTE: above uvicorn's own 5 s, so that the flag must have been applied
 CUT_OFF_WITHIN_S = 10.0  # NOTE: generous on a noisy box; without the timeouts it never happens
 HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
         b"Content-Type: application/json\r\n")
@@ -22,7 +23,8 @@ HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
 
 @pytest.fixture(scope="module")
 def gateway(sim_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProc]:
-    args = ("--header-timeout", str(HEADER_TIMEOUT_S), "--body-timeout", str(BODY_TIMEOUT_S))
+    args = ("--header-timeout", str(HEADER_TIMEOUT_S), "--body-timeout", str(BODY_TIMEOUT_S),
+            "--keep-alive-timeout", str(KEEP_ALIVE_S))
     with serve_proc(sim_model_dir, tmp_path_factory.mktemp("http"), *args) as serve:
         yield serve
 
@@ -81,6 +83,16 @@ def test_body_in_slow_pieces_and_keep_alive_are_unaffected(gateway: ServeProc) -
         time.sleep(HEADER_TIMEOUT_S + 0.5)  # NOTE: idle between requests is keep-alive's
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert _read_response(sock).startswith(b"HTTP/1.1 200")
+
+
+def test_idle_keep_alive_connection_is_closed_after_keep_alive_timeout(gateway: ServeProc) -> None:
+    with _connect(gateway) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _read_response(sock).startswith(b"HTTP/1.1 200")
+        reply, waited_s = _read_until_closed(sock)
+    assert reply == b"", reply
+    assert KEEP_ALIVE_S * 0.9 <= waited_s < KEEP_ALIVE_S + CUT_OFF_WITHIN_S, (
+        f"an idle keep-alive connection closed after {waited_s:.1f} s, not {KEEP_ALIVE_S} s")
 
 
 def test_connections_beyond_the_cap_get_503(sim_model_dir: Path, tmp_path: Path) -> None:
