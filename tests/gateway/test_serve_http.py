@@ -1,7 +1,7 @@
 """The HTTP server of ``agentgate serve`` against slow and greedy clients, over real sockets: a
 request head or body that stalls is cut off (408) within its timeout, connections beyond
 ``--max-connections`` get 503, and ordinary requests (a body sent in pieces, keep-alive) are
-unaffected), and an idle keep-alive connection is closed after `--keep-alive-timeout`."""
+unaffected; an idle keep-alive connection is closed after ``--keep-alive-timeout``."""
 
 import json
 import socket
