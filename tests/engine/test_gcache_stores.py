@@ -419,3 +419,26 @@ def test_spec_forms(tmp_path: Path) -> None:
     redis_store = open_store("redis://127.0.0.1:1/3?ttl_s=60&timeout_s=0.5")
     assert isinstance(redis_store, RedisStore) and redis_store.ttl_s == 60
     assert isinstance(open_store("redis+cluster://127.0.0.1:1,127.0.0.1:2"), RedisStore)
+
+
+def test_redis_credentials_come_from_the_url_and_never_show(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import redis as redis_py
+
+    secret = "gcache-s3cret-pw"
+    with redis_server(tmp_path) as server:
+        redis_py.Redis(port=server.port).config_set("requirepass", secret)
+        keys = _make_keys(3)
+        items = [(k, _make_value(1.0)) for k in keys]
+        authed = open_store(f"redis://:{secret}@127.0.0.1:{server.port}/0")
+        assert authed.put_many(items) == 3
+        assert [_fill_of(v) for v in authed.get_many(keys)] == [1.0] * 3
+        anonymous = open_store(f"redis://127.0.0.1:{server.port}/0")
+        assert anonymous.get_many(keys) == [None] * 3  # NOTE: refused: a miss, not an error
+        for store in (authed, anonymous):
+            store.close()
+    with pytest.raises(ValueError) as bad:
+        open_store(f"redis://user:{secret}@127.0.0.1:{server.port}/x")
+    assert secret not in str(bad.value) and "***" in str(bad.value), str(bad.value)
+    assert secret not in caplog.text

@@ -46,14 +46,16 @@ class RedisStore:
     @classmethod
     def standalone(
         cls, host: str, port: int, db: int = 0, *, ttl_s: float = DEFAULT_TTL_S,
-        timeout_s: float = DEFAULT_TIMEOUT_S, ssl: bool = False,
+        timeout_s: float = DEFAULT_TIMEOUT_S, ssl: bool = False, username: str | None = None,
+        password: str | None = None,
     ) -> RedisStore:
         def connect() -> Client:
             # NOTE: one immediate retry on a connection error only: it replaces a pooled
             # connection a restarted server closed; a timeout is never retried (it already
             # cost timeout_s). redis-py's default (3 retries with backoff) would stall the step.
             return redis.Redis(
-                host=host, port=port, db=db, ssl=ssl, socket_timeout=timeout_s,
+                host=host, port=port, db=db, ssl=ssl, username=username, password=password,
+                socket_timeout=timeout_s,
                 socket_connect_timeout=timeout_s,
                 retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             )
@@ -63,13 +65,15 @@ class RedisStore:
     @classmethod
     def cluster(
         cls, nodes: Sequence[tuple[str, int]], *, ttl_s: float = DEFAULT_TTL_S,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_s: float = DEFAULT_TIMEOUT_S, username: str | None = None,
+        password: str | None = None,
     ) -> RedisStore:
         startup = [ClusterNode(host, port) for host, port in nodes]
 
         def connect() -> Client:
             return RedisCluster(
-                startup_nodes=startup, socket_timeout=timeout_s,
+                startup_nodes=startup, username=username, password=password,
+                socket_timeout=timeout_s,
                 socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1),
             )
 

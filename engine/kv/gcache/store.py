@@ -8,7 +8,9 @@ the backends never import torch.
 Specs::
 
     file:DIR[?max_bytes=N]  or a bare path          FileStore (default max_bytes: 16 GiB)
-    redis://host:port/db[?ttl_s=S&timeout_s=T]       RedisStore on one server
+    redis://[[user]:password@]host:port/db[?ttl_s=S&timeout_s=T]   RedisStore on one server
+                                                     (rediss:// for TLS; the password is
+                                                     never shown in a message)
     redis+cluster://host:port[,host:port...][?ttl_s=S&timeout_s=T]   RedisStore on a Cluster
 """
 
@@ -140,12 +142,14 @@ def _open_redis(spec: str, cluster: bool) -> PageStore:
     from engine.kv.gcache.redis_store import RedisStore
 
     url = urllib.parse.urlsplit(spec)
+    auth = {"username": url.username or None, "password": url.password or None}
+    spec = _redacted(spec)  # NOTE: from here on only messages use it: no password in them
     params = _params(spec, url.query, {"ttl_s", "timeout_s"})
     ttl_s = _number(spec, params, "ttl_s", DEFAULT_TTL_S)
     timeout_s = _number(spec, params, "timeout_s", DEFAULT_TIMEOUT_S)
     nodes = [_host_port(spec, node) for node in url.netloc.rpartition("@")[2].split(",")]
     if cluster:
-        return RedisStore.cluster(nodes, ttl_s=ttl_s, timeout_s=timeout_s)
+        return RedisStore.cluster(nodes, ttl_s=ttl_s, timeout_s=timeout_s, **auth)
     if len(nodes) != 1:
         raise ValueError(f"GCache store spec {spec!r}: one host:port (use redis+cluster:// "
                          "for a Cluster)")
@@ -153,7 +157,18 @@ def _open_redis(spec: str, cluster: bool) -> PageStore:
     if not path.isdigit():
         raise ValueError(f"GCache store spec {spec!r}: database {path!r} is not a number")
     return RedisStore.standalone(nodes[0][0], nodes[0][1], int(path), ttl_s=ttl_s,
-                                 timeout_s=timeout_s, ssl=url.scheme == "rediss")
+                                 timeout_s=timeout_s, ssl=url.scheme == "rediss", **auth)
+
+
+def _redacted(spec: str) -> str:
+    """``spec`` with the password of its user info replaced by ``***``."""
+    scheme, sep, rest = spec.partition("://")
+    netloc, slash, tail = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    if not at or ":" not in userinfo:
+        return spec
+    user = userinfo.split(":", 1)[0]
+    return f"{scheme}{sep}{user}:***@{hosts}{slash}{tail}"
 
 
 def _params(spec: str, query: str, known: set[str]) -> dict[str, str]:
