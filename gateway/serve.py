@@ -82,7 +82,9 @@ def serve(
         _check_redis(redis_url)
     limits = limits or HttpLimits()
     sock = bind_socket(host, port, reuse_port=gateway_procs > 1)
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # NOTE: while workers start
+    # NOTE: while workers start; both explicitly, as uvicorn does once serving: Python leaves
+    # SIGINT ignored when it started ignored (a shell's background job, nohup)
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     echo_worker_logs()
     workers: list[WorkerProcess] = []
     supervisor: Supervisor | None = None
@@ -110,7 +112,8 @@ def serve(
             supervisor.stop()
         stop_workers(workers)
         sock.close()
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 
@@ -256,7 +259,9 @@ class Terminated(KeyboardInterrupt):
 
 
 def _interrupt(signum: int, frame: Any) -> None:
-    raise Terminated(f"signal {signum}")
+    if signum == signal.SIGTERM:
+        raise Terminated(f"signal {signum}")
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _check_redis(url: str) -> None:

@@ -41,11 +41,14 @@ def test_signal_while_workers_start_stops_them(
 ) -> None:
     """A signal while ``serve`` still waits for its first worker: every worker spawned so far is
     stopped, and SIGTERM (a supervisor's stop) is a clean exit 0, as it is once serving; SIGINT
-    (Ctrl-C) keeps the shell's 130."""
+    (Ctrl-C) keeps the shell's 130. ``serve`` starts with SIGINT ignored, as a shell starts a
+    background job (``agentgate serve &``, nohup, CI): it must still honour it, as it does
+    once serving."""
     port = free_port()
     log_path = tmp_path / "serve.log"
     with log_path.open("wb") as log:
-        proc = spawn_serve(sim_model_dir, port, "--workers", "2", stdout=log)
+        proc = spawn_serve(sim_model_dir, port, "--workers", "2", stdout=log,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     serve = ServeProc(proc, port, log_path)
     pids: list[int] = []
     try:
