@@ -21,6 +21,8 @@ class EngineConfig:
             forward replaced by a cost model).
         page_size: tokens per KV page (a power of two).
         kv_budget_bytes: the ONE byte budget that full and SWA pages are drawn from.
+        host_kv_budget_bytes: the host-memory tier (L2) below the prefix cache: evicted pages
+            that a future hit needs are copied there instead of dropped. 0: no L2.
         max_num_batched_tokens: token budget per step (prefill chunks + decodes).
         max_running_requests: cap on requests decoding at once.
         max_waiting_requests: bounded queue; more is rejected as overloaded.
@@ -39,6 +41,7 @@ class EngineConfig:
     backend: str = "native"
     page_size: int = 16
     kv_budget_bytes: int = 256 * 2**20
+    host_kv_budget_bytes: int = 0
     max_num_batched_tokens: int = 512
     max_running_requests: int = 64
     max_waiting_requests: int = 1024
@@ -55,6 +58,9 @@ class EngineConfig:
         ci = self.checkpoint_interval_tokens
         assert ci >= 0 and ci % p == 0, f"checkpoint_interval_tokens={ci}: a multiple of {p}"
         assert self.kv_budget_bytes > 0, f"kv_budget_bytes={self.kv_budget_bytes}: must be > 0"
+        assert self.host_kv_budget_bytes >= 0, (
+            f"host_kv_budget_bytes={self.host_kv_budget_bytes}: must be >= 0"
+        )
         assert self.max_num_batched_tokens >= p, (
             f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= page_size={p}"
         )

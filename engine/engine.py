@@ -16,10 +16,12 @@ from typing import Protocol
 from engine.config import EngineConfig
 from engine.grammar import MAX_GRAMMAR_CACHE_BYTES, GrammarCompiler, GrammarMatcher
 from engine.kv.allocator import PageAllocator
+from engine.kv.host_pool import HostPagePool
 from engine.kv.layout import KVLayout, PageKind
 from engine.kv.manager import KVManager
 from engine.kv.paged import SeqPages
 from engine.kv.prefix_cache import CacheEvent, PrefixCache
+from engine.kv.tier import HostTier
 from engine.model_config import ModelConfig
 from engine.sampler import SampleOutput
 from engine.sampling_params import SamplingParams
@@ -47,6 +49,14 @@ class EngineStats:
     num_preemptions: int
     retained_pages: int = 0  # protected by live retentions (estimate: PrefixCache.retained_pages)
     retains_expired: int = 0  # retentions whose TTL ran out before any request reached them
+    # the host tier (L2), all 0 without one
+    host_pages: int = 0  # pages (full + SWA) held in host memory
+    host_used_bytes: int = 0
+    host_total_bytes: int = 0
+    host_demoted_pages: int = 0  # copied device -> host (since start)
+    host_loaded_pages: int = 0  # copied host -> device
+    host_evicted_pages: int = 0  # dropped from host memory (LRU)
+    host_hit_tokens: int = 0  # prompt tokens L2 added to requests' usable prefixes
 
 
 class Engine:
@@ -78,10 +88,12 @@ class Engine:
         self.layout = KVLayout.from_model(self.model_config, cfg.page_size, dtype_bytes)
         self.allocator = PageAllocator(self.layout, cfg.kv_budget_bytes)
         self.runner = self._make_runner(model, cost)
+        self.host = self._make_host_tier()
         self.cache = PrefixCache(self.allocator, enabled=cfg.enable_prefix_cache,
                                  keep_tokens=cfg.keep_page_tokens, on_event=on_cache_event,
-                                 clock=clock)
-        self.kv = KVManager(self.allocator, self.cache, cfg.checkpoint_interval_tokens)
+                                 clock=clock, lower=self.host)
+        self.kv = KVManager(self.allocator, self.cache, cfg.checkpoint_interval_tokens,
+                            lower=self.host)
         # NOTE: the sim reads only each row's seq_len; page lists would cost O(pages) per step
         self._step_pages = self.kv.seq_pages if model is not None else _lengths_only
         self.scheduler = Scheduler(
@@ -171,7 +183,12 @@ class Engine:
         return sampling
 
     def flush_cache(self) -> int:
-        return self.cache.flush()
+        """Forget every cached page that no request holds, in every tier; returns the number
+        of L1 pages removed."""
+        removed = self.cache.flush()
+        if self.host is not None:
+            self.host.host.clear()
+        return removed
 
     def stats(self) -> EngineStats:
         a = self.allocator
@@ -183,9 +200,29 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             retained_pages=self.cache.retained_pages(),
             retains_expired=self.cache.retains_expired,
+            **self._host_stats(),
         )
 
     # ------------------------------------------------------------------ internals
+
+    def _make_host_tier(self) -> HostTier | None:
+        """L2 below the prefix cache, when the config gives it a budget (and the cache is on)."""
+        if not self.cfg.host_kv_budget_bytes or not self.cfg.enable_prefix_cache:
+            return None
+        pool = getattr(self.runner, "pool", None)  # None: the sim backend (bookkeeping only)
+        dtype = None if pool is None else pool.arena.dtype
+        pin = pool is not None and pool.device.type == "cuda"
+        host = HostPagePool(self.layout, self.cfg.host_kv_budget_bytes, dtype, pin_memory=pin)
+        return HostTier(host, pool)
+
+    def _host_stats(self) -> dict[str, int]:
+        if self.host is None:
+            return {}
+        h, st = self.host.host, self.host.stats
+        return {"host_pages": h.num_pages, "host_used_bytes": h.used_bytes,
+                "host_total_bytes": h.total_bytes, "host_demoted_pages": st.demoted_pages,
+                "host_loaded_pages": st.loaded_pages, "host_evicted_pages": st.evicted_pages,
+                "host_hit_tokens": st.hit_tokens}
 
     def _append(self, seqs: list[Sequence], sampled: SampleOutput) -> None:
         tokens = sampled.token_ids.tolist()

@@ -37,6 +37,7 @@ class RequestOutput:
     logprobs: tuple[float, ...] | None = None
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    cached_tokens_host: int = 0  # of which the host tier (L2) served
 
 
 class LLM:
@@ -111,4 +112,5 @@ def _to_output(seq: SeqState) -> RequestOutput:
         logprobs=tuple(seq.logprobs) if want is not None else None,
         top_logprobs=tuple(seq.top_logprobs) if want else None,
         cached_tokens=seq.num_cached,
+        cached_tokens_host=seq.num_cached_host,
     )

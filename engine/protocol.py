@@ -258,6 +258,8 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True, kw_only=True):
             protects them.
         retains_expired: retained checkpoints whose TTL ran out before a request used them
             (a count since the worker started).
+        host_pages, host_used_bytes, host_total_bytes: the host-memory tier (L2) below the
+            prefix cache: pages held and its byte budget (all 0 without one).
     """
 
     worker_id: str
@@ -271,6 +273,9 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True, kw_only=True):
     cached_pages: int
     retained_pages: int = 0
     retains_expired: int = 0
+    host_pages: int = 0
+    host_used_bytes: int = 0
+    host_total_bytes: int = 0
 
 
 class Replies(msgspec.Struct, tag="replies", frozen=True, kw_only=True):

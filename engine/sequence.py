@@ -58,6 +58,7 @@ class Sequence:
     finish_reason: str | None = None
     num_computed: int = 0
     num_cached: int = 0  # prompt tokens served by the prefix cache (first admission)
+    num_cached_host: int = 0  # of which the host tier (L2) added
     num_preemptions: int = 0
     arrival: int = field(default_factory=lambda: next(_arrival))
     # KV page table

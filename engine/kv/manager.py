@@ -2,7 +2,9 @@
 
 Lifecycle of a request's pages:
 
-    admit    match the prefix cache; pin the usable path (full: deepest node, SWA: the window)
+    admit    match the prefix cache, then the tier below it (L2) when there is one, loading the
+             pages a longer usable prefix needs; pin the usable path (full: deepest node, SWA:
+             the window)
     reserve  before a forward: allocate private pages for positions [num_computed, +n)
     commit   after it: every page the step completed goes into the tree (deduplicated), the pin
              moves to the new deepest node, and SWA pages that slid out of the window are unpinned
@@ -21,10 +23,14 @@ from collections import OrderedDict
 
 from engine.hashing import page_hash, page_hashes, salt_seed
 from engine.kv.allocator import PageAllocator
+from engine.kv.host_pool import HostEntry
 from engine.kv.layout import PageKind, num_pages, swa_first_needed_page
 from engine.kv.paged import SeqPages
-from engine.kv.prefix_cache import Node, PrefixCache
+from engine.kv.prefix_cache import MatchResult, Node, PrefixCache
+from engine.kv.tier import LowerTier, usable_pages
 from engine.sequence import Sequence
+
+_Pin = tuple[Node, bool, bool]  # (node, full, swa): a pin held while pages load
 
 
 class KVManager:
@@ -34,13 +40,16 @@ class KVManager:
         of the page size.
     max_finished_ends: how many finished requests' end checkpoints ``retain`` can still find
         (the oldest are forgotten first).
+    lower: the tier below the prefix cache (L2 host memory); None: L1 only. The cache must be
+        the one that demotes into it (``PrefixCache.lower``).
     """
 
     def __init__(
         self, allocator: PageAllocator, cache: PrefixCache, checkpoint_interval_tokens: int = 0,
-        max_finished_ends: int = 4096,
+        max_finished_ends: int = 4096, lower: LowerTier | None = None,
     ) -> None:
         self.allocator, self.cache = allocator, cache
+        self.lower = lower if cache.enabled else None
         self.checkpoint_interval_tokens = checkpoint_interval_tokens
         self.max_finished_ends = max_finished_ends
         # NOTE: request id -> the resume checkpoint marked at its finish (``retain``); bounded
@@ -65,19 +74,30 @@ class KVManager:
         )
         seq.path = list(m.nodes)
         seq.branch_node = m.branch_node if m.raw_tokens > 0 else None
+        held: list[_Pin] = []
+        if self.lower is not None:
+            loaded = self._load_from_lower(seq, m, held)
+            if loaded is not None:
+                seq.path = loaded
+                if seq.branch_node is not None and len(loaded) > seq.branch_node.depth:
+                    seq.branch_node = None  # NOTE: the lower tier had what L1 lacked there
+        usable_tokens = len(seq.path) * self.page_size
         if seq.path:
             self.cache.pin(seq.path[-1], full=True, swa=False)
-            first = swa_first_needed_page(m.usable_tokens, self.window, 0, self.page_size)
+            first = swa_first_needed_page(usable_tokens, self.window, 0, self.page_size)
             for node in seq.path[first:] if self.has_swa else ():
                 self.cache.pin(node, full=False, swa=True)
                 seq.swa_pinned.append(node)
-        seq.num_computed = m.usable_tokens
+        for node, full, swa in held:  # NOTE: after the pins above, so nothing loaded is freed
+            self.cache.unpin(node, full=full, swa=swa)
+        seq.num_computed = usable_tokens
         if seq.num_preemptions == 0:
             # NOTE: num_cached is what the cache saved this request (cached_tokens to clients,
             # hit rates in benchmarks). A resume after preemption mostly hits the request's own
             # pages, prompt and output, which it computed itself: keep the first admission's.
-            seq.num_cached = m.usable_tokens
-        return m.usable_tokens
+            seq.num_cached = usable_tokens
+            seq.num_cached_host = usable_tokens - m.usable_tokens
+        return usable_tokens
 
     # ------------------------------------------------------------------ one step
 
@@ -168,6 +188,102 @@ class KVManager:
         return True
 
     # ------------------------------------------------------------------ internals
+
+    def _load_from_lower(
+        self, seq: Sequence, m: MatchResult, held: list[_Pin]
+    ) -> list[Node] | None:
+        """Extend the L1 match ``m`` with the tier below (window rule across tiers, see
+        ``engine.kv.tier``); load what the longer usable prefix needs into L1 pages.
+
+        Returns the new usable path (loaded nodes inserted or revived in the tree), or None
+        when the tier adds nothing usable or L1 has no room for it. Appends to ``held`` the
+        pins taken meanwhile (the caller pins the final path, then drops these).
+
+            pages      0 ....... lo ....... keep ....... usable         (k = window pages)
+            L1 raw     raw[0 .. keep) kept (full)       | raw match may go on past usable
+            loaded     SWA of tombstones in [lo, keep)  | full of [keep, usable), SWA of
+                                                        | [max(lo, keep), usable)
+        """
+        assert self.lower is not None
+        p, k, lower = self.page_size, self.cache.window_pages, self.lower
+        tokens = seq.token_ids if self.cache.keep_tokens else None
+        hashes = seq.page_hashes[: (seq.num_tokens - 1) // p]
+        raw = list(m.branch_node.ancestors(m.branch_node.depth + 1))[::-1] if m.branch_node else []
+        below = lower.lookup(hashes, len(raw), tokens, p)
+        for i, entry in enumerate(below):
+            if self.cache.lookup(entry.page_hash) is not None:  # in L1 under other tokens
+                below = below[:i]
+                break
+        revivable = self._revivable_swa(raw, tokens)
+        full = [True] * len(raw) + [e.full_slot is not None for e in below]
+        swa = [n.swa_page is not None or i in revivable for i, n in enumerate(raw)]
+        swa += [e.swa_slot is not None for e in below]
+        usable = usable_pages(full, swa, k)
+        if usable <= len(m.nodes):
+            return None
+        keep, lo = min(usable, len(raw)), max(0, usable - k) if self.has_swa else usable
+        revive = [i for i in range(lo, keep) if raw[i].swa_page is None]
+        assert all(i in revivable for i in revive), f"window rule broken: {revive} {revivable}"
+        fetched = below[: usable - keep]
+        num_swa = len(revive) + sum(i >= lo for i in range(keep, usable))
+        lower.protect([e.page_hash for e in fetched] + [revivable[i].page_hash for i in revive])
+        try:
+            self._hold_for_load(seq, m, raw[:keep], lo, held)
+            if not self.cache.evict(len(fetched), num_swa):
+                return None
+            full_ids = self.allocator.allocate(PageKind.FULL, len(fetched))
+            swa_ids = self.allocator.allocate(PageKind.SWA, num_swa) if num_swa else []
+        finally:
+            lower.unprotect()
+        for i in revive:
+            lower.load(revivable[i], PageKind.SWA, swa_ids[-1])
+            self.cache.restore_swa(raw[i], swa_ids.pop())
+            held.append((raw[i], False, True))
+        path = raw[:keep]
+        for i, entry in enumerate(fetched, start=keep):
+            lower.load(entry, PageKind.FULL, full_ids[i - keep])
+            swa_page = swa_ids.pop() if i >= lo and self.has_swa else None
+            if swa_page is not None:
+                lower.load(entry, PageKind.SWA, swa_page)
+            page_tokens = None if tokens is None else tuple(tokens[i * p : (i + 1) * p])
+            node = self.cache.insert(
+                path[-1] if path else None, entry.page_hash, full_ids[i - keep], swa_page,
+                page_tokens,
+            )
+            held.append((node, True, swa_page is not None))
+            path.append(node)
+        lower.stats.hit_tokens += (usable - len(m.nodes)) * p
+        return path
+
+    def _revivable_swa(self, raw: list[Node], tokens: list[int] | None) -> dict[int, HostEntry]:
+        """Tombstones on the L1 path whose SWA the tier below holds, by page index."""
+        out: dict[int, HostEntry] = {}
+        if not self.has_swa or self.lower is None:
+            return out
+        p = self.page_size
+        for i, node in enumerate(raw):
+            if node.swa_page is None:
+                parent = node.parent.page_hash if node.parent is not None else None
+                page = None if tokens is None else tokens[i * p : (i + 1) * p]
+                entry = self.lower.find(node.page_hash, parent, page)
+                if entry is not None and entry.swa_slot is not None:
+                    out[i] = entry
+        return out
+
+    def _hold_for_load(
+        self, seq: Sequence, m: MatchResult, kept: list[Node], lo: int, held: list[_Pin]
+    ) -> None:
+        """Pin what eviction must leave alone while the pages load: the kept L1 path (full), the
+        live SWA of the new window, and the L1 match's own window (the fallback)."""
+        if kept:
+            self.cache.pin(kept[-1], full=True, swa=False)
+            held.append((kept[-1], True, False))
+        first = swa_first_needed_page(m.usable_tokens, self.window, 0, self.page_size)
+        window = {id(n): n for n in [*kept[lo:], *(m.nodes[first:] if self.has_swa else [])]}
+        for node in window.values():
+            if node.swa_page is not None:
+                self.cache.pin(node, full=False, swa=True)
+                held.append((node, False, True))
 
     def _remember_end(self, request_id: str, node: Node) -> None:
         self._ends[request_id] = node

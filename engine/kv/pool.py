@@ -39,6 +39,7 @@ class KVPool:
         num_chunks: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        pin_memory: bool = False,
     ) -> None:
         itemsize = torch.empty((), dtype=dtype).element_size()
         assert itemsize == layout.dtype_bytes, (
@@ -48,7 +49,10 @@ class KVPool:
         self.device = torch.device(device)
         chunk_elems = layout.chunk_bytes // layout.dtype_bytes
         # NOTE: zeros, not empty: a bug that reads an unwritten slot then shows finite values.
-        self.arena = torch.zeros(num_chunks, chunk_elems, dtype=dtype, device=self.device)
+        # pinned (page-locked) host memory makes host -> device copies asynchronous (L2 tier)
+        self.arena = torch.zeros(
+            num_chunks, chunk_elems, dtype=dtype, device=self.device, pin_memory=pin_memory
+        )
         self._views = {kind: self._make_view(kind) for kind in PageKind}
         kinds = [kind for kind in PageKind if layout.num_layers(kind) > 0]
         self._row_step = {kind: math.gcd(chunk_elems, layout.token_elems(kind)) for kind in kinds}
@@ -61,6 +65,11 @@ class KVPool:
     @property
     def total_bytes(self) -> int:
         return self.arena.numel() * self.arena.element_size()
+
+    def page(self, kind: PageKind, page_id: int) -> torch.Tensor:
+        """One page of this kind: [layers, page_size, kv_heads, head_dim + v_head_dim] (aliases)."""
+        chunk, slot = divmod(page_id, self.layout.slots_per_chunk(kind))
+        return self._views[kind][chunk, slot]
 
     def view(self, kind: PageKind) -> torch.Tensor:
         """[num_chunks, slots, layers, page_size, kv_heads, head_dim + v_head_dim] (aliases)."""

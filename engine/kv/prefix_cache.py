@@ -27,6 +27,11 @@ every change to which pages hold SWA KV ("stored" says whether the page came wit
 "swa_stored" when a tombstone is revived, "swa_dropped" when history SWA is freed), so that a
 router's index can apply the window-safe rule above exactly, history SWA included.
 
+Tiers (issue 12): with a ``lower`` tier (L2 host memory), eviction moves down what a future hit
+needs instead of dropping it: a deleted leaf's full page, and a demoted checkpoint's k SWA pages
+(under those pages' hashes). History SWA is never moved down. ``KVManager.admit`` loads pages
+back (``insert``, ``restore_swa``), so they come with the usual events.
+
 Ownership: once a page is in the tree, the tree owns it. Running requests pin what they use:
 ``full_refs`` on their deepest node (ancestors are pinned by having children) and ``swa_refs`` on
 the nodes inside their window. Only unpinned pages are ever freed.
@@ -39,12 +44,16 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.kv.allocator import PageAllocator
 from engine.kv.layout import PageKind
 from engine.kv.node import CacheEvent, CacheStats, MatchResult, Node
 from engine.kv.retention import Retentions
 from engine.utils import cdiv
+
+if TYPE_CHECKING:
+    from engine.kv.tier import LowerTier  # NOTE: for types only (tier.py needs torch, this not)
 
 HEAP_SLACK = 16  # NOTE: a heap is compacted past 2 x the cached pages + this many entries
 
@@ -75,6 +84,7 @@ class PrefixCache:
         keep_tokens: store each page's token ids; off saves memory for 10^7-page replays.
         on_event: called with each ``CacheEvent`` (KV events for routers).
         clock: seconds, for retention TTLs.
+        lower: the tier below (L2) that evicted pages a future hit needs are copied into.
     """
 
     allocator: PageAllocator
@@ -83,8 +93,10 @@ class PrefixCache:
     on_event: Callable[[CacheEvent], None] | None = None
     clock: Callable[[], float] = time.monotonic
     stats: CacheStats = field(default_factory=CacheStats)
+    lower: LowerTier | None = None
 
     def __post_init__(self) -> None:
+        self._demote = self.lower is not None and self.enabled
         self._index: dict[int, Node] = {}
         self._tick = itertools.count(1)
         self._seq = itertools.count()
@@ -187,6 +199,15 @@ class PrefixCache:
         self._set_swa_access(node, node.access)
         self._offer(node)
         return node
+
+    def restore_swa(self, node: Node, swa_page: int) -> None:
+        """Give a tombstone its SWA KV back (loaded from a lower tier) and pin it for the caller
+        (``swa_refs``). The tree takes ownership of ``swa_page``."""
+        assert node.alive and node.swa_page is None, f"restoring SWA of {node}"
+        node.swa_page = swa_page
+        node.swa_refs += 1
+        self._set_swa_access(node, next(self._tick))
+        self._emit("swa_stored", node)
 
     def pin(self, node: Node, *, full: bool, swa: bool) -> None:
         assert node.alive, f"pinning a freed page: {node}"
@@ -295,11 +316,19 @@ class PrefixCache:
             freed += 1
         return freed
 
-    def flush(self) -> int:
-        """Free every unpinned cached page; returns the number of nodes removed."""
+    def flush(self, demote: bool = False) -> int:
+        """Free every unpinned cached page; returns the number of nodes removed.
+
+        ``demote``: move what a future hit needs to the lower tier first, as eviction does
+        (otherwise a flush forgets it, as a cold-cache benchmark wants).
+        """
         before = len(self._index)
-        while self._evict_one(ignore_retention=True):
-            pass
+        self._demote = demote and self.lower is not None and self.enabled
+        try:
+            while self._evict_one(ignore_retention=True):
+                pass
+        finally:
+            self._demote = self.lower is not None and self.enabled
         # NOTE: each removal was announced; "cleared" only when nothing is left, as pages pinned
         # by running requests stay, and a router's index must not forget them
         if self.enabled and not self._index:
@@ -355,6 +384,12 @@ class PrefixCache:
             self.retentions.end(end, self.clock())
         end.is_ckpt_end = end.is_periodic = False
         end.retain_until = 0.0
+        if self._demote and self.lower is not None:
+            # NOTE: the window's SWA is what a resume at ``end`` needs; it goes down now, as
+            # these pages become history that pressure frees without another look
+            for n in end.ancestors(self.window_pages):
+                if n.swa_page is not None:
+                    self.lower.store(n, (PageKind.SWA,))
         for n in end.ancestors(self.window_pages):
             n.ckpt_refs -= 1
             self._offer(n)
@@ -371,6 +406,8 @@ class PrefixCache:
             if node.swa_page is not None:
                 self.allocator.free(PageKind.SWA, [node.swa_page])
                 self.stats.evicted_swa_pages += 1
+            if self._demote and self.lower is not None and self._index.get(node.page_hash) is node:
+                self.lower.store(node, (PageKind.FULL,))  # its SWA went with its checkpoint
             self.allocator.free(PageKind.FULL, [node.full_page])
             self.stats.evicted_full_pages += 1
             node.alive = False

@@ -23,12 +23,15 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from engine.logs import configure_logging
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 # NOTE: engine.worker.config.COSTS (engine.sim.COST_PRESETS), repeated so that the flags stay
 # torch-free; tests/gateway/test_serve_cli.py checks that the two agree.
@@ -71,6 +74,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> list[argparse
     return [
         add("--page-size", type=int, help="tokens per KV page (a power of 2; default 16)"),
         add("--kv-budget-mb", type=int, help="KV byte budget in MiB (default 256)"),
+        add("--host-kv-budget-mb", type=int,
+            help="host-memory KV tier (L2) in MiB: evicted pages a later hit needs are kept "
+                 "there (default 0: none)"),
         add("--max-batched-tokens", type=int, help="token budget per step (default 512)"),
         add("--no-prefix-cache", action="store_const", const=False, dest="prefix_cache",
             help="keep no KV of finished requests"),
@@ -108,6 +114,22 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def engine_config(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> EngineConfig:
+    """The ``EngineConfig`` of parsed worker flags (``AGENTGATE_*`` variables fill the rest)."""
+    from engine.config import EngineConfig
+
+    return EngineConfig.from_env(
+        env, model_path=args.model, backend=args.backend, page_size=args.page_size,
+        kv_budget_bytes=args.kv_budget_mb * 2**20 if args.kv_budget_mb else None,
+        host_kv_budget_bytes=(
+            args.host_kv_budget_mb * 2**20 if args.host_kv_budget_mb is not None else None
+        ),
+        max_num_batched_tokens=args.max_batched_tokens, enable_prefix_cache=args.prefix_cache,
+        checkpoint_interval_tokens=args.checkpoint_interval_tokens,
+        dtype=args.dtype, device=args.device,
+    )
+
+
 def watch_parent(parent_pid: int, on_gone: Callable[[], None]) -> None:
     """Call ``on_gone`` (from a thread) when ``parent_pid`` is no longer this process's parent.
 
@@ -132,16 +154,9 @@ def run(args: argparse.Namespace) -> int:
         if os.getppid() != args.parent_pid:  # NOTE: the parent died before prctl took effect
             logger.warning("parent process %d is gone before the start", args.parent_pid)
             return 0
-    from engine.config import EngineConfig
     from engine.worker.server import Worker, WorkerConfig
 
-    engine_cfg = EngineConfig.from_env(
-        model_path=args.model, backend=args.backend, page_size=args.page_size,
-        kv_budget_bytes=args.kv_budget_mb * 2**20 if args.kv_budget_mb else None,
-        max_num_batched_tokens=args.max_batched_tokens, enable_prefix_cache=args.prefix_cache,
-        checkpoint_interval_tokens=args.checkpoint_interval_tokens,
-        dtype=args.dtype, device=args.device,
-    )
+    engine_cfg = engine_config(args)
     if engine_cfg.backend == "native" and engine_cfg.model_path is None:
         raise ValueError("--model is required with the native backend")
     extra = {"worker_id": args.worker_id} if args.worker_id else {}

@@ -1,0 +1,138 @@
+"""Tiers below the device prefix cache: the ``LowerTier`` interface, L2 host memory behind it,
+and the window rule across tiers (DESIGN.md invariant 4 and "Tiers", issue 12).
+
+The prefix cache (L1) calls ``store`` when it evicts something a future hit needs (a deleted
+leaf's full page, a demoted checkpoint's SWA pages); ``KVManager.admit`` calls ``lookup`` /
+``find`` after the L1 match and ``load`` for the pages the usable prefix needs. An L3 tier
+(GCache) can chain below L2 behind the same interface.
+
+Window rule across tiers: the combined prefix is usable up to the deepest page end p where full
+KV (L1 or L2) covers [0, p) and SWA (L1 live, or L2) covers [p - W, p):
+
+    pages        0    1    2    3    4    5       (k = ceil(W / page) = 2)
+    full (L1)    x    x    x    -    -    -       raw L1 match = 3 pages
+    full (L2)                   x    x    x
+    SWA  (L1)    x    -    -
+    SWA  (L2)         x              x    -
+    usable?      y    y    n    n    n    n       usable = 2 pages: page 5 has no SWA anywhere,
+                                                  pages 2 and 3 neither
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from engine.kv.host_pool import HostEntry, HostPagePool, HostStats
+from engine.kv.layout import PageKind
+from engine.kv.node import Node
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.kv.pool import KVPool
+
+
+class LowerTier(Protocol):
+    """A page store below L1, keyed by chained page hash.
+
+    Not thread-safe: the scheduler's thread owns it (as it owns the prefix cache).
+    """
+
+    stats: HostStats
+
+    def store(self, node: Node, kinds: Sequence[PageKind]) -> None:
+        """Copy these pages of an L1 node down (called right before L1 frees them)."""
+
+    def lookup(
+        self, page_hashes: Sequence[int], start: int, token_ids: Sequence[int] | None,
+        page_size: int,
+    ) -> list[HostEntry]:
+        """Entries chained from page ``start`` on (each one's parent is the page before it),
+        stopping at the first page missing here or whose tokens differ from ``token_ids``."""
+        ...
+
+    def find(
+        self, page_hash: int, parent_hash: int | None, token_ids: Sequence[int] | None
+    ) -> HostEntry | None:
+        """One entry, checked against its parent hash and (when given) its token ids."""
+        ...
+
+    def load(self, entry: HostEntry, kind: PageKind, page_id: int) -> None:
+        """Copy the entry's page of ``kind`` into the L1 page ``page_id``."""
+
+    def protect(self, page_hashes: Iterable[int]) -> None:
+        """Keep these entries while a load that planned on them runs (``unprotect`` ends it)."""
+
+    def unprotect(self) -> None: ...
+
+
+class HostTier:
+    """L2: ``LowerTier`` over a ``HostPagePool``, copying to and from the device ``KVPool``
+    (None for the sim backend: the bookkeeping only)."""
+
+    def __init__(self, host: HostPagePool, device_pool: KVPool | None) -> None:
+        self.host, self.device_pool = host, device_pool
+        self.stats = host.stats
+
+    def store(self, node: Node, kinds: Sequence[PageKind]) -> None:
+        pages = []
+        for kind in kinds:
+            page_id = node.full_page if kind == PageKind.FULL else node.swa_page
+            assert page_id is not None, f"storing the missing {kind.name} page of {node}"
+            pages.append((kind, self._device_page(kind, page_id)))
+        parent = node.parent.page_hash if node.parent is not None else None
+        self.host.put(node.page_hash, parent, node.token_ids, pages)
+
+    def lookup(
+        self, page_hashes: Sequence[int], start: int, token_ids: Sequence[int] | None,
+        page_size: int,
+    ) -> list[HostEntry]:
+        out: list[HostEntry] = []
+        parent = page_hashes[start - 1] if start > 0 else None
+        for i in range(start, len(page_hashes)):
+            tokens = None if token_ids is None else token_ids[i * page_size : (i + 1) * page_size]
+            entry = self.find(page_hashes[i], parent, tokens)
+            if entry is None:
+                break
+            out.append(entry)
+            parent = entry.page_hash
+        return out
+
+    def find(
+        self, page_hash: int, parent_hash: int | None, token_ids: Sequence[int] | None
+    ) -> HostEntry | None:
+        entry = self.host.get(page_hash)
+        if entry is None or entry.parent_hash != parent_hash:
+            return None
+        # NOTE: a stale page (a hash collision) is a miss, as in L1 when it keeps tokens
+        check = token_ids is not None and entry.token_ids is not None
+        if check and tuple(token_ids) != entry.token_ids:  # type: ignore[arg-type]
+            return None
+        return entry
+
+    def load(self, entry: HostEntry, kind: PageKind, page_id: int) -> None:
+        self.host.copy_out(entry, kind, self._device_page(kind, page_id))
+
+    def protect(self, page_hashes: Iterable[int]) -> None:
+        self.host.protect(page_hashes)
+
+    def unprotect(self) -> None:
+        self.host.unprotect()
+
+    def _device_page(self, kind: PageKind, page_id: int) -> torch.Tensor | None:
+        return None if self.device_pool is None else self.device_pool.page(kind, page_id)
+
+
+def usable_pages(full: Sequence[bool], swa: Sequence[bool], window_pages: int) -> int:
+    """The window rule over per-page coverage (any tier): the deepest p such that pages [0, p)
+    have full KV and pages [p - k, p) have SWA (k = ``window_pages``, 0 for a model without
+    SWA layers; near the start, [0, p) when p < k)."""
+    usable = run = 0
+    for i, (has_full, has_swa) in enumerate(zip(full, swa)):
+        if not has_full:
+            break
+        run = run + 1 if has_swa else 0
+        if run >= min(window_pages, i + 1):
+            usable = i + 1
+    return usable
