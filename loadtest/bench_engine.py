@@ -7,10 +7,13 @@
    engine) and (b) an SGLang-style cache (loadtest/sglang_ref.py); ours once per periodic
    checkpoint interval (--intervals, 0 = none), side by side, to choose the default (issue 9).
 3. decode: decode tok/s with continuous batching at batch 1, 8, 32 vs transformers generate().
+4. tiers (issue 12): hit rate by tier on the traces with a small L1 and an L2 host tier, against
+   L1 alone and an L1 as large as the trace (the infinite-cache maximum), side by side; not in
+   the default parts.
 
-    python loadtest/bench_engine.py [kv-bytes|hit-rate|decode ...] [--budgets 1,3,10,30]
+    python loadtest/bench_engine.py [kv-bytes|hit-rate|decode|tiers ...] [--budgets 1,3,10,30]
         [--traces conversation,synthetic] [--limit N] [--intervals 0,8192]
-        [--no-baselines]
+        [--no-baselines] [--host-budget 30]
 """
 
 from __future__ import annotations
@@ -61,11 +64,12 @@ TOKEN_BYTES = LAYERS * KV_HEADS * 2 * HEAD_DIM * DTYPE_BYTES  # one token, all l
 
 
 def sim_engine(budget_tokens: float, *, all_full: bool = False, cache: bool = True,
-               interval: int = 0) -> Engine:
+               interval: int = 0, host_budget_tokens: float = 0) -> Engine:
     cfg = EngineConfig(backend="sim", page_size=PAGE, kv_budget_bytes=int(budget_tokens
                        * TOKEN_BYTES), max_num_batched_tokens=CHUNK, max_running_requests=1,
                        enable_prefix_cache=cache, keep_page_tokens=False,
-                       checkpoint_interval_tokens=interval)
+                       checkpoint_interval_tokens=interval,
+                       host_kv_budget_bytes=int(host_budget_tokens * TOKEN_BYTES))
     return Engine(cfg, model_config=pro_geometry(all_full), cost=ZERO_COST)
 
 
@@ -107,9 +111,18 @@ def bench_kv_bytes() -> None:
 
 def replay_ours(records: list[tr.Record], src: tr.TokenSource, budget: float,
                 all_full: bool, interval: int = 0) -> float:
-    eng = sim_engine(budget * 1e6, all_full=all_full, interval=interval)
+    return replay_tiers(records, src, budget, 0.0, all_full=all_full, interval=interval)[0]
+
+
+def replay_tiers(records: list[tr.Record], src: tr.TokenSource, budget: float,
+                 host_budget: float, *, all_full: bool = False,
+                 interval: int = DEFAULT_INTERVAL) -> tuple[float, float]:
+    """(token hit rate, the part of it served from L2) of a trace replay; budgets in M
+    full-attention-token equivalents (0 host: no L2)."""
+    eng = sim_engine(budget * 1e6, all_full=all_full, interval=interval,
+                     host_budget_tokens=host_budget * 1e6)
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
-    hit = total = 0
+    hit = host = total = 0
     for i, rec in enumerate(records):
         tokens, hashes = src.tokens(rec), src.hashes(rec)
         last_block = rec.input_length // tr.BLOCK_TOKENS * tr.BLOCK_TOKENS
@@ -119,8 +132,9 @@ def replay_ours(records: list[tr.Record], src: tr.TokenSource, budget: float,
         while eng.has_work:
             eng.step()
         hit += seq.num_cached
+        host += seq.num_cached_host
         total += rec.input_length
-    return hit / total
+    return hit / total, host / total
 
 
 def replay_sglang(records: list[tr.Record], src: tr.TokenSource, budget: float) -> float:
@@ -164,6 +178,29 @@ def bench_hit_rate(traces: list[str], budgets: list[float], limit: int | None,
                   f"{tgt:>7} {met:>4} {time.perf_counter() - t0:6.0f}", flush=True)
 
 
+def bench_tiers(traces: list[str], budgets: list[float], host_budget: float,
+                limit: int | None) -> None:
+    """One row per trace and L1 budget: L1 alone, L1 + an L2 of ``host_budget``, and an L1
+    the size of the trace (nothing ever evicted: the most any tiering can reach)."""
+    print(f"tiers: token hit rate by tier, prefill-only replay in trace order, page 16, W = 128, "
+          f"checkpoint every {DEFAULT_INTERVAL}; budgets in M full-attention-token equivalents; "
+          f"L2 = {host_budget:g}M (host memory, sim bookkeeping)")
+    print(f"{'trace':>12} {'L1':>6} {'L1 alone':>9} {'L1+L2':>7} {'of it L2':>9} "
+          f"{'infinite':>9} {'L1+L2/inf':>10} {'L1/inf':>7} {'secs':>6}")
+    for name in traces:
+        records = tr.load(name, limit)
+        src = tr.TokenSource(vocab_size=152_576, page_size=PAGE)
+        infinite = replay_tiers(records, src, sum(r.input_length for r in records) / 1e6 + 1,
+                                0.0)[0]
+        for budget in budgets:
+            t0 = time.perf_counter()
+            alone = replay_tiers(records, src, budget, 0.0)[0]
+            both, host = replay_tiers(records, src, budget, host_budget)
+            print(f"{name:>12} {budget:>5g}M {alone:9.1%} {both:7.1%} {host:9.1%} "
+                  f"{infinite:9.1%} {both / infinite:10.3f} {alone / infinite:7.3f} "
+                  f"{time.perf_counter() - t0:6.0f}", flush=True)
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
 
@@ -187,6 +224,8 @@ def main() -> None:
                     help="periodic checkpoint intervals in tokens, side by side (0 = none; "
                          f"'met' judges the engine's default, {DEFAULT_INTERVAL})")
     ap.add_argument("--no-baselines", action="store_true", help="skip all-full and sglang-style")
+    ap.add_argument("--host-budget", type=float, default=30.0,
+                    help="tiers: the L2 budget, M full-attention-token equivalents")
     args = ap.parse_args()
     if "kv-bytes" in args.parts:
         bench_kv_bytes()
@@ -194,6 +233,9 @@ def main() -> None:
         bench_hit_rate(args.traces.split(","), [float(b) for b in args.budgets.split(",")],
                        args.limit, [int(i) for i in args.intervals.split(",")],
                        not args.no_baselines)
+    if "tiers" in args.parts:
+        bench_tiers(args.traces.split(","), [float(b) for b in args.budgets.split(",")],
+                    args.host_budget, args.limit)
     if "decode" in args.parts:
         from bench_decode import bench_decode
 
