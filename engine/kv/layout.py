@@ -11,6 +11,7 @@ Full and SWA pages differ in size; both are cut from one byte budget (see ``allo
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.model_config import ModelConfig
@@ -131,3 +132,18 @@ def swa_first_needed_page(seq_len: int, window: int, chunk: int, page_size: int)
     so pages [0, first) hold only positions older than what the step reads. Clamped at 0.
     """
     return max(0, seq_len - window - chunk) // page_size
+
+
+def usable_pages(full: Iterable[bool], swa: Iterable[bool], window_pages: int) -> int:
+    """The window rule (DESIGN.md invariant 4) over per-page coverage, in one tier or across
+    tiers: the deepest p such that pages [0, p) have full KV and pages [p - k, p) have SWA
+    (k = ``window_pages``, 0 for a model without SWA layers; near the start, [0, p) when p < k).
+    ``PrefixCache.match`` and the tiered admission (``KVManager``) both answer with it."""
+    usable = run = 0
+    for i, (has_full, has_swa) in enumerate(zip(full, swa)):
+        if not has_full:
+            break
+        run = run + 1 if has_swa else 0
+        if run >= min(window_pages, i + 1):
+            usable = i + 1
+    return usable

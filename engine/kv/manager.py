@@ -24,10 +24,10 @@ from collections import OrderedDict
 from engine.hashing import page_hash, page_hashes, salt_seed
 from engine.kv.allocator import PageAllocator
 from engine.kv.host_pool import HostEntry
-from engine.kv.layout import PageKind, num_pages, swa_first_needed_page
+from engine.kv.layout import PageKind, num_pages, swa_first_needed_page, usable_pages
 from engine.kv.paged import SeqPages
 from engine.kv.prefix_cache import MatchResult, Node, PrefixCache
-from engine.kv.tier import LowerTier, usable_pages
+from engine.kv.tier import LowerTier
 from engine.sequence import Sequence
 
 _Pin = tuple[Node, bool, bool]  # (node, full, swa): a pin held while pages load

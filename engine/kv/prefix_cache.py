@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.kv.allocator import PageAllocator
-from engine.kv.layout import PageKind
+from engine.kv.layout import PageKind, usable_pages
 from engine.kv.node import CacheEvent, CacheStats, MatchResult, Node
 from engine.kv.retention import Retentions
 from engine.utils import cdiv
@@ -136,7 +136,6 @@ class PrefixCache:
         """
         k, p = self.window_pages, self.page_size
         path: list[Node] = []
-        run = usable = 0
         for i, h in enumerate(page_hashes[: max_tokens // p]):
             node = self._index.get(h)
             if node is None or (
@@ -146,9 +145,8 @@ class PrefixCache:
             ):
                 break
             path.append(node)
-            run = run + 1 if (node.swa_page is not None or not self.has_swa) else 0
-            if run >= min(k, i + 1):
-                usable = i + 1
+        swa = (n.swa_page is not None or not self.has_swa for n in path)
+        usable = usable_pages(itertools.repeat(True), swa, k)
         self._touch(path, usable)
         raw_tokens, usable_tokens = len(path) * p, usable * p
         st = self.stats

@@ -6,8 +6,9 @@ leaf's full page, a demoted checkpoint's SWA pages); ``KVManager.admit`` calls `
 ``find`` after the L1 match and ``load`` for the pages the usable prefix needs. An L3 tier
 (GCache) can chain below L2 behind the same interface.
 
-Window rule across tiers: the combined prefix is usable up to the deepest page end p where full
-KV (L1 or L2) covers [0, p) and SWA (L1 live, or L2) covers [p - W, p):
+Window rule across tiers (``engine.kv.layout.usable_pages``): the combined prefix is usable up
+to the deepest page end p where full KV (L1 or L2) covers [0, p) and SWA (L1 live, or L2) covers
+[p - W, p):
 
     pages        0    1    2    3    4    5       (k = ceil(W / page) = 2)
     full (L1)    x    x    x    -    -    -       raw L1 match = 3 pages
@@ -123,16 +124,3 @@ class HostTier:
     def _device_page(self, kind: PageKind, page_id: int) -> torch.Tensor | None:
         return None if self.device_pool is None else self.device_pool.page(kind, page_id)
 
-
-def usable_pages(full: Sequence[bool], swa: Sequence[bool], window_pages: int) -> int:
-    """The window rule over per-page coverage (any tier): the deepest p such that pages [0, p)
-    have full KV and pages [p - k, p) have SWA (k = ``window_pages``, 0 for a model without
-    SWA layers; near the start, [0, p) when p < k)."""
-    usable = run = 0
-    for i, (has_full, has_swa) in enumerate(zip(full, swa)):
-        if not has_full:
-            break
-        run = run + 1 if has_swa else 0
-        if run >= min(window_pages, i + 1):
-            usable = i + 1
-    return usable

@@ -19,11 +19,11 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kv.allocator import PageAllocator
 from engine.kv.host_pool import HostPagePool
-from engine.kv.layout import KVLayout, PageKind
+from engine.kv.layout import KVLayout, PageKind, usable_pages
 from engine.kv.manager import KVManager
 from engine.kv.pool import KVPool
 from engine.kv.prefix_cache import CacheEvent, PrefixCache
-from engine.kv.tier import HostTier, usable_pages
+from engine.kv.tier import HostTier
 from engine.llm import LLM, RequestOutput
 from engine.model_config import ModelConfig
 from engine.models.checkpoint import mimo_config
