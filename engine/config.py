@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -34,6 +34,18 @@ class EngineConfig:
             multiple of page_size. The default 8192 was chosen by ``loadtest/bench_engine.py
             hit-rate`` (issue 9): it meets the targets on both Mooncake traces, where 2048 and
             4096 cost the conversation trace at 1M tokens (README, Benchmarks).
+        gcache: the L3 KV store shared by workers (``engine.kv.gcache.open_store``):
+            ``file:DIR``, ``redis://...``, ``redis+cluster://...``; None: no L3. Finished
+            requests are written through to it, L2 evictions written back, and a queued request
+            prefetches what its prompt lacks locally into L2. Needs an L2: without
+            ``host_kv_budget_bytes`` one as large as ``kv_budget_bytes`` is made.
+        gcache_wait_s: how long a queued request waits for its L3 prefetch at most (then it
+            runs with what has landed; the others run meanwhile).
+        hibernate_after_s: write a finished request's session to L3 and drop it from this
+            worker (L1 and L2) once it has been idle this long and is not retained; 0: never.
+            Needs ``gcache``.
+        model_id: names the model in L3 keys (with the KV geometry); None: derived from the
+            checkpoint (config.json and a sample of the weight files).
         dtype, device: for "native"; device None = CUDA when available.
     """
 
@@ -48,6 +60,10 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     keep_page_tokens: bool = True
     checkpoint_interval_tokens: int = 8192
+    gcache: str | None = field(default=None, repr=False)  # NOTE: may hold a password
+    gcache_wait_s: float = 0.5
+    hibernate_after_s: float = 0.0
+    model_id: str | None = None
     dtype: str = "auto"
     device: str | None = None
 
@@ -66,6 +82,12 @@ class EngineConfig:
         )
         assert self.max_running_requests >= 1, "max_running_requests must be >= 1"
         assert self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"
+        assert self.gcache_wait_s >= 0, f"gcache_wait_s={self.gcache_wait_s}: must be >= 0"
+        assert self.hibernate_after_s >= 0, (
+            f"hibernate_after_s={self.hibernate_after_s}: must be >= 0"
+        )
+        if self.hibernate_after_s and not self.gcache:
+            raise ValueError("hibernate_after_s needs gcache: sessions hibernate to L3")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> EngineConfig:
@@ -85,6 +107,8 @@ def _parse(raw: str, annotation: object, name: str) -> Any:
     try:
         if kind.startswith("int"):
             return int(raw)
+        if kind.startswith("float"):
+            return float(raw)
         if kind.startswith("bool"):
             if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
                 raise ValueError(raw)

@@ -11,10 +11,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine.config import EngineConfig
 from engine.grammar import MAX_GRAMMAR_CACHE_BYTES, GrammarCompiler, GrammarMatcher
+from engine.hashing import page_hashes
 from engine.kv.allocator import PageAllocator
 from engine.kv.host_pool import HostPagePool
 from engine.kv.layout import KVLayout, PageKind
@@ -22,6 +23,9 @@ from engine.kv.manager import KVManager
 from engine.kv.paged import SeqPages
 from engine.kv.prefix_cache import CacheEvent, PrefixCache
 from engine.kv.tier import HostTier
+
+if TYPE_CHECKING:
+    from engine.kv.gcache.tier import GCacheTier
 from engine.model_config import ModelConfig
 from engine.sampler import SampleOutput
 from engine.sampling_params import SamplingParams
@@ -57,6 +61,16 @@ class EngineStats:
     host_loaded_pages: int = 0  # copied host -> device
     host_evicted_pages: int = 0  # dropped from host memory (LRU)
     host_hit_tokens: int = 0  # prompt tokens L2 added to requests' usable prefixes
+    # L3 (GCache), all 0 without one
+    storage_written_pages: int = 0  # confirmed in the store
+    storage_write_failed_pages: int = 0  # the store failed them (outage); retried later
+    storage_write_dropped: int = 0  # write jobs dropped: the writer's queue was full
+    storage_fetched_pages: int = 0  # landed in L2 from the store
+    storage_hit_tokens: int = 0  # prompt tokens whose full KV came from the store
+    storage_wait_timeouts: int = 0  # requests admitted before their prefetch finished
+    storage_errors: int = 0  # failed store calls (timeouts included)
+    storage_corrupt: int = 0  # values that failed their checksum (read as misses)
+    hibernated_sessions: int = 0
 
 
 class Engine:
@@ -88,18 +102,22 @@ class Engine:
         self.layout = KVLayout.from_model(self.model_config, cfg.page_size, dtype_bytes)
         self.allocator = PageAllocator(self.layout, cfg.kv_budget_bytes)
         self.runner = self._make_runner(model, cost)
-        self.host = self._make_host_tier()
+        self.clock = clock
+        self.host = self._make_host_tier(on_cache_event)
         self.cache = PrefixCache(self.allocator, enabled=cfg.enable_prefix_cache,
                                  keep_tokens=cfg.keep_page_tokens, on_event=on_cache_event,
                                  clock=clock, lower=self.host)
+        self.storage = self._make_storage(on_cache_event)
         self.kv = KVManager(self.allocator, self.cache, cfg.checkpoint_interval_tokens,
-                            lower=self.host)
+                            lower=self.host, storage=self.storage)
+        self._next_hibernate = 0.0
         # NOTE: the sim reads only each row's seq_len; page lists would cost O(pages) per step
         self._step_pages = self.kv.seq_pages if model is not None else _lengths_only
         self.scheduler = Scheduler(
             self.kv, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_running_requests=cfg.max_running_requests,
             max_waiting_requests=cfg.max_waiting_requests,
+            ready=self._fetch_ready if self.storage is not None else None,
         )
         self.eos_token_ids = _eos_ids(cfg.model_path, self.model_config)
         self.grammars = GrammarCompiler(cfg.model_path, self.model_config.vocab_size,
@@ -144,8 +162,42 @@ class Engine:
                         generator=self._generator(params.seed), stop_ids=frozenset(stop),
                         grammar=grammar, **kwargs)  # type: ignore[arg-type]
 
-    def add(self, seq: Sequence) -> None:
-        self.scheduler.add(seq)
+    def add(self, seq: Sequence, bounded: bool = True) -> None:
+        """Queue a request (and start its L3 prefetch); ``bounded=False`` skips the queue bound
+        (offline generation).
+
+        Raises:
+            Overloaded: the waiting queue is full.
+        """
+        self.scheduler.add(seq, bounded)
+        if self.storage is not None:
+            p = self.layout.page_size
+            if len(seq.page_hashes) < seq.num_tokens // p:
+                seq.page_hashes = page_hashes(seq.token_ids, p, seq.cache_salt)
+            tokens = seq.token_ids if self.cfg.keep_page_tokens else None
+            seq.fetch = self.storage.start_fetch(
+                self.storage.missing(seq.page_hashes, tokens, seq.num_tokens, self.cache))
+
+    @property
+    def only_fetching(self) -> bool:
+        """Work waits only for L3 prefetches: a step would do nothing (a worker polls slower)."""
+        return self.storage is not None and self.scheduler.only_fetching
+
+    def tick(self) -> None:
+        """Housekeeping between steps (the worker calls it every loop): take in L3 write
+        confirmations (their KV events), hibernate idle sessions (once a second at most)."""
+        if self.storage is None:
+            return
+        self.storage.poll()
+        now = self.clock()
+        if self.cfg.hibernate_after_s and now >= self._next_hibernate:
+            self._next_hibernate = now + min(1.0, self.cfg.hibernate_after_s)
+            self.kv.hibernate(self.cfg.hibernate_after_s, now)
+
+    def close(self) -> None:
+        """Stop the L3 threads after writing what is queued (a few seconds at most)."""
+        if self.storage is not None:
+            self.storage.close()
 
     def abort(self, request_id: str) -> Sequence | None:
         return self.scheduler.abort(request_id)
@@ -188,7 +240,7 @@ class Engine:
         removed = self.cache.flush()
         if self.host is not None:
             self.host.host.clear()
-        return removed
+        return removed  # NOTE: L3 is shared with other workers: never flushed from here
 
     def stats(self) -> EngineStats:
         a = self.allocator
@@ -200,20 +252,56 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             retained_pages=self.cache.retained_pages(),
             retains_expired=self.cache.retains_expired,
-            **self._host_stats(),
+            **self._host_stats(), **self._storage_stats(),
         )
 
     # ------------------------------------------------------------------ internals
 
-    def _make_host_tier(self) -> HostTier | None:
-        """L2 below the prefix cache, when the config gives it a budget (and the cache is on)."""
-        if not self.cfg.host_kv_budget_bytes or not self.cfg.enable_prefix_cache:
+    def _make_host_tier(self, on_event: Callable[[CacheEvent], None] | None) -> HostTier | None:
+        """L2 below the prefix cache, when the config gives it a budget (or has an L3, which
+        lands its pages there) and the cache is on."""
+        budget = self.cfg.host_kv_budget_bytes or (self.cfg.kv_budget_bytes if self.cfg.gcache
+                                                   else 0)
+        if not budget or not self.cfg.enable_prefix_cache:
             return None
         pool = getattr(self.runner, "pool", None)  # None: the sim backend (bookkeeping only)
         dtype = None if pool is None else pool.arena.dtype
         pin = pool is not None and pool.device.type == "cuda"
-        host = HostPagePool(self.layout, self.cfg.host_kv_budget_bytes, dtype, pin_memory=pin)
-        return HostTier(host, pool)
+        host = HostPagePool(self.layout, budget, dtype, pin_memory=pin)
+        return HostTier(host, pool, on_event)
+
+    def _make_storage(self, on_event: Callable[[CacheEvent], None] | None) -> GCacheTier | None:
+        """L3 below L2 (``cfg.gcache``)."""
+        if not self.cfg.gcache or self.host is None:
+            return None
+        from engine.kv.gcache import model_fingerprint, open_store
+        from engine.kv.gcache.tier import GCacheTier
+
+        pool = getattr(self.runner, "pool", None)
+        kv_dtype = None if pool is None else str(pool.arena.dtype).removeprefix("torch.")
+        model_id = self.cfg.model_id or _model_id(self.cfg, self.model_config)
+        fingerprint = model_fingerprint(self.layout, model_id, kv_dtype)
+        return GCacheTier(open_store(self.cfg.gcache), fingerprint, self.host, self.layout, pool,
+                          wait_s=self.cfg.gcache_wait_s, on_event=on_event, clock=self.clock)
+
+    def _fetch_ready(self, seq: Sequence) -> bool:
+        if seq.fetch is None or self.storage is None:
+            return True
+        if not self.storage.ready(seq.fetch):
+            return False
+        seq.fetch = None
+        return True
+
+    def _storage_stats(self) -> dict[str, int]:
+        if self.storage is None:
+            return {}
+        st, store = self.storage.stats, self.storage.store.stats
+        return {"storage_written_pages": st.written_pages,
+                "storage_write_failed_pages": st.write_failed_pages,
+                "storage_write_dropped": st.write_dropped + self.storage.writer.dropped,
+                "storage_fetched_pages": st.fetched_pages, "storage_hit_tokens": st.hit_tokens,
+                "storage_wait_timeouts": st.wait_timeouts, "storage_errors": store.errors,
+                "storage_corrupt": store.corrupt, "hibernated_sessions": st.hibernated}
 
     def _host_stats(self) -> dict[str, int]:
         if self.host is None:
@@ -270,6 +358,27 @@ class Engine:
 def _lengths_only(seq: Sequence, query_len: int) -> SeqPages:
     """A step row without page lists (the sim backend's cost model needs only the lengths)."""
     return SeqPages(full_pages=[], swa_pages=[], num_cached=seq.num_computed, query_len=query_len)
+
+
+def _model_id(cfg: EngineConfig, model_config: ModelConfig) -> str:
+    """What names the model in L3 keys: config.json and a sample of every weight file (size,
+    first and last 64 KiB), so two checkpoints of one architecture never share KV; the sim's
+    geometry alone (its pages carry no bytes)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    if cfg.backend == "sim" or cfg.model_path is None:
+        h.update(f"sim|{model_config!r}".encode())
+        return "sim-" + h.hexdigest()[:16]
+    root = Path(cfg.model_path)
+    h.update((root / "config.json").read_bytes())
+    for path in sorted(root.glob("*.safetensors")):
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            h.update(f"{path.name}|{size}|".encode() + f.read(1 << 16))
+            f.seek(max(0, size - (1 << 16)))
+            h.update(f.read(1 << 16))
+    return "native-" + h.hexdigest()[:16]
 
 
 def _require_path(cfg: EngineConfig) -> str:

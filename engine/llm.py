@@ -7,6 +7,7 @@ chunked prefill), stepping it until every request is done.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ class RequestOutput:
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     cached_tokens: int = 0  # prompt tokens served by the prefix cache
     cached_tokens_host: int = 0  # of which the host tier (L2) served
+    cached_tokens_storage: int = 0  # of which came from L3 (GCache)
 
 
 class LLM:
@@ -88,10 +90,17 @@ class LLM:
         seqs = [self.engine.make_sequence(f"offline-{next(_ids)}", list(p), sp)
                 for p, sp in zip(prompts, plist)]
         for seq in seqs:
-            self.engine.scheduler.waiting.append(seq)  # offline: no queue bound
+            self.engine.add(seq, bounded=False)  # offline: no queue bound
         while self.engine.has_work:
+            if self.engine.only_fetching:
+                time.sleep(0.001)  # NOTE: L3 prefetches in flight, nothing else to run
             self.engine.step()
+            self.engine.tick()
         return [_to_output(seq) for seq in seqs]
+
+    def close(self) -> None:
+        """Stop the engine's L3 threads (after writing what is queued)."""
+        self.engine.close()
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
@@ -113,4 +122,5 @@ def _to_output(seq: SeqState) -> RequestOutput:
         top_logprobs=tuple(seq.top_logprobs) if want else None,
         cached_tokens=seq.num_cached,
         cached_tokens_host=seq.num_cached_host,
+        cached_tokens_storage=seq.num_cached_storage,
     )

@@ -14,6 +14,7 @@ prefill chunk shrinks to what fits before that.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.kv.manager import KVManager
@@ -43,8 +44,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_running_requests: int,
         max_waiting_requests: int,
+        ready: Callable[[Sequence], bool] | None = None,
     ) -> None:
         self.kv = kv
+        # NOTE: a waiting request whose KV is still on its way from L3 is passed over until it
+        # lands (or times out): the step loop never waits on it, the others go first
+        self.ready = ready
         self.max_tokens = max_num_batched_tokens
         self.max_running = max_running_requests
         self.max_waiting = max_waiting_requests
@@ -54,8 +59,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ queue
 
-    def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.max_waiting:
+    def add(self, seq: Sequence, bounded: bool = True) -> None:
+        """Queue a request; ``bounded=False`` (offline use) skips the queue bound."""
+        if bounded and len(self.waiting) >= self.max_waiting:
             raise Overloaded(f"{len(self.waiting)} requests are waiting (max {self.max_waiting})")
         self.waiting.append(seq)
 
@@ -143,7 +149,9 @@ class Scheduler:
         failed: list[Sequence] = []
         self.waiting.sort(key=_priority_key)
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            seq = self.waiting[0]
+            seq = self._next_ready()
+            if seq is None:
+                break
             self.kv.admit(seq)
             n = min(seq.num_uncomputed, budget)
             if not self.kv.can_reserve(seq, n):
@@ -155,17 +163,28 @@ class Scheduler:
                 n = self._fitting_len(seq, n)
                 if n == 0:
                     self.kv.release(seq)
-                    self.waiting.pop(0)
+                    self.waiting.remove(seq)
                     self._finish(seq, "error")
                     failed.append(seq)
                     continue
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             self.kv.reserve(seq, n)
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.append(Scheduled(seq, n))
             budget -= n
         return failed
+
+    def _next_ready(self) -> Sequence | None:
+        if self.ready is None:
+            return self.waiting[0]
+        return next((s for s in self.waiting if self.ready(s)), None)
+
+    @property
+    def only_fetching(self) -> bool:
+        """Nothing runs and every waiting request waits for its L3 prefetch."""
+        return (not self.running and bool(self.waiting)
+                and all(s.fetch is not None and not s.fetch.done for s in self.waiting))
 
     def _preemption_victim(self, exclude: set[Sequence]) -> Sequence | None:
         candidates = [s for s in self.running if s not in exclude]

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
 
     from engine.grammar import GrammarMatcher
+    from engine.kv.gcache.tier import Fetch
     from engine.kv.prefix_cache import Node
 
 _arrival = itertools.count()
@@ -59,6 +60,8 @@ class Sequence:
     num_computed: int = 0
     num_cached: int = 0  # prompt tokens served by the prefix cache (first admission)
     num_cached_host: int = 0  # of which the host tier (L2) added
+    num_cached_storage: int = 0  # of which came from L3 (GCache) through L2
+    fetch: Fetch | None = None  # its L3 prefetch while it waits (engine.kv.gcache.tier)
     num_preemptions: int = 0
     arrival: int = field(default_factory=lambda: next(_arrival))
     # KV page table

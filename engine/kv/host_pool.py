@@ -17,7 +17,7 @@ used entries go first; entries that a load in progress uses are protected.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +36,7 @@ class HostEntry:
     token_ids: tuple[int, ...] | None
     full_slot: int | None = None
     swa_slot: int | None = None
+    from_storage: bool = False  # its full KV came from L3 and has not been loaded yet
 
     def slot(self, kind: PageKind) -> int | None:
         return self.full_slot if kind == PageKind.FULL else self.swa_slot
@@ -76,6 +77,10 @@ class HostPagePool:
         self._index: OrderedDict[int, HostEntry] = OrderedDict()  # LRU first
         self._protected: set[int] = set()
         self.stats = HostStats()
+        # called with an entry the LRU evicts, before its slots are freed (L3 write-back)
+        self.on_evict: Callable[[HostEntry], None] | None = None
+        # called with each entry that leaves (evicted, discarded, cleared), after on_evict
+        self.on_remove: Callable[[HostEntry], None] | None = None
 
     # ---------------------------------------------------------------- queries
 
@@ -167,6 +172,14 @@ class HostPagePool:
     def unprotect(self) -> None:
         self._protected.clear()
 
+    def discard(self, page_hash: int) -> bool:
+        """Drop one entry (a hibernated session's page); False when it is not here."""
+        entry = self._index.get(page_hash)
+        if entry is None:
+            return False
+        self._remove(entry)
+        return True
+
     def clear(self) -> int:
         """Drop every entry; returns how many."""
         n = len(self._index)
@@ -184,11 +197,15 @@ class HostPagePool:
             )  # NOTE: the least recently used one that no load in progress needs
             if victim is None:
                 return False
+            if self.on_evict is not None:
+                self.on_evict(victim)
             self.stats.evicted_pages += self._remove(victim)
         return True
 
     def _remove(self, entry: HostEntry) -> int:
         del self._index[entry.page_hash]
+        if self.on_remove is not None:
+            self.on_remove(entry)
         freed = 0
         for kind in PageKind:
             slot = entry.slot(kind)

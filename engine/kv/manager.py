@@ -20,6 +20,7 @@ ceil((W + chunk) / page) + 1 SWA pages per SWA layer at any time.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from engine.hashing import page_hash, page_hashes, salt_seed
 from engine.kv.allocator import PageAllocator
@@ -29,6 +30,9 @@ from engine.kv.paged import SeqPages
 from engine.kv.prefix_cache import MatchResult, Node, PrefixCache
 from engine.kv.tier import LowerTier
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.kv.gcache.tier import GCacheTier
 
 _Pin = tuple[Node, bool, bool]  # (node, full, swa): a pin held while pages load
 
@@ -47,13 +51,16 @@ class KVManager:
     def __init__(
         self, allocator: PageAllocator, cache: PrefixCache, checkpoint_interval_tokens: int = 0,
         max_finished_ends: int = 4096, lower: LowerTier | None = None,
+        storage: GCacheTier | None = None,
     ) -> None:
         self.allocator, self.cache = allocator, cache
         self.lower = lower if cache.enabled else None
+        self.storage = storage if cache.enabled else None
         self.checkpoint_interval_tokens = checkpoint_interval_tokens
         self.max_finished_ends = max_finished_ends
-        # NOTE: request id -> the resume checkpoint marked at its finish (``retain``); bounded
-        self._ends: OrderedDict[str, Node] = OrderedDict()
+        # NOTE: request id -> the resume checkpoint marked at its finish (``retain``) and the
+        # time it finished (``hibernate``); bounded, oldest first
+        self._ends: OrderedDict[str, tuple[Node, float]] = OrderedDict()
         layout = allocator.layout
         self.page_size, self.window = layout.page_size, layout.window
         self.has_swa = layout.page_bytes(PageKind.SWA) > 0
@@ -96,7 +103,7 @@ class KVManager:
             # hit rates in benchmarks). A resume after preemption mostly hits the request's own
             # pages, prompt and output, which it computed itself: keep the first admission's.
             seq.num_cached = usable_tokens
-            seq.num_cached_host = usable_tokens - m.usable_tokens
+            seq.num_cached_host = usable_tokens - m.usable_tokens - seq.num_cached_storage
         return usable_tokens
 
     # ------------------------------------------------------------------ one step
@@ -157,9 +164,12 @@ class KVManager:
     # ------------------------------------------------------------------ release
 
     def release(self, seq: Sequence, checkpoint: bool = False) -> None:
-        """Give back everything the request holds; with ``checkpoint``, keep its end resumable."""
+        """Give back everything the request holds; with ``checkpoint``, keep its end resumable
+        (and write its path through to L3 when there is one)."""
         if checkpoint and seq.path and self.cache.mark_checkpoint(seq.path[-1], seq.retain_ttl_s):
-            self._remember_end(seq.request_id, seq.path[-1])
+            self._remember_end(seq.request_id, seq.path[-1], self.cache.clock())
+            if self.storage is not None:
+                self.storage.write_path(seq.path, self.cache.window_pages)
         for node in seq.swa_pinned:
             self.cache.unpin(node, full=False, swa=True)
         if seq.path:
@@ -179,10 +189,10 @@ class KVManager:
         """Protect a finished request's end checkpoint for ``ttl_s`` seconds from now (0 releases
         it); False when the request is unknown (never finished here, or forgotten) or its end
         page or window is gone. See ``PrefixCache.retain``."""
-        node = self._ends.get(request_id)
-        if node is None:
+        end = self._ends.get(request_id)
+        if end is None:
             return False
-        if not self.cache.retain(node, ttl_s):
+        if not self.cache.retain(end[0], ttl_s):
             del self._ends[request_id]  # NOTE: gone for good (a demoted, released end too)
             return False
         return True
@@ -253,6 +263,13 @@ class KVManager:
             held.append((node, True, swa_page is not None))
             path.append(node)
         lower.stats.hit_tokens += (usable - len(m.nodes)) * p
+        from_storage = [e for e in fetched if e.from_storage]
+        for entry in from_storage:
+            entry.from_storage = False  # NOTE: a later hit on it is an L2 hit
+        if self.storage is not None:
+            self.storage.stats.hit_tokens += len(from_storage) * p
+        if seq.num_preemptions == 0:
+            seq.num_cached_storage = len(from_storage) * p
         return path
 
     def _revivable_swa(self, raw: list[Node], tokens: list[int] | None) -> dict[int, HostEntry]:
@@ -285,8 +302,40 @@ class KVManager:
                 self.cache.pin(node, full=False, swa=True)
                 held.append((node, False, True))
 
-    def _remember_end(self, request_id: str, node: Node) -> None:
-        self._ends[request_id] = node
+    def hibernate(self, idle_s: float, now: float) -> int:
+        """Write the sessions that finished ``idle_s`` or more ago (and are not retained) to L3
+        and drop them from L1 and L2 once the store confirms every page; returns how many were
+        dropped. Never waits: an unconfirmed session is written now and checked on a later call.
+
+        What is dropped is the chain ending at the session's end checkpoint, bottom up, as far
+        as no request or other checkpoint holds it and nothing touched it after the session
+        ended (a shared prefix that other sessions use stays).
+        """
+        storage = self.storage
+        if storage is None:
+            return 0
+        k, dropped = self.cache.window_pages, 0
+        for request_id, (node, ended) in list(self._ends.items()):
+            if now - ended < idle_s:
+                break  # NOTE: oldest first: the rest finished later
+            if not node.alive or not node.is_ckpt_end:
+                del self._ends[request_id]  # gone already (evicted, demoted)
+                continue
+            if node.retain_until > self.cache.clock():
+                continue  # NOTE: the gateway expects a resume here (a tool call)
+            path = list(node.ancestors(node.depth + 1))[::-1]
+            if not storage.has_path(path, k):
+                storage.write_path(path, k)
+                continue
+            del self._ends[request_id]
+            for dropped_hash in self.cache.drop_branch(node):
+                storage.host.host.discard(dropped_hash)
+            storage.stats.hibernated += 1
+            dropped += 1
+        return dropped
+
+    def _remember_end(self, request_id: str, node: Node, now: float) -> None:
+        self._ends[request_id] = (node, now)
         self._ends.move_to_end(request_id)
         while len(self._ends) > self.max_finished_ends:
             self._ends.popitem(last=False)

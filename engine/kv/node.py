@@ -81,7 +81,8 @@ class CacheEvent(NamedTuple):
 
     Kinds: "stored" (a page entered; ``swa``: with its SWA KV), "removed", "swa_stored" (a
     tombstone's SWA KV came back), "swa_dropped" (a page's SWA KV was freed, its full KV stays),
-    "ckpt_stored", "ckpt_dropped", "cleared".
+    "ckpt_stored", "ckpt_dropped", "cleared". ``medium``: the tier the change happened in
+    ("GPU": the device prefix cache; "CPU": L2 host memory; "GCACHE": the shared L3 store).
     """
 
     kind: str
@@ -89,6 +90,7 @@ class CacheEvent(NamedTuple):
     parent_hash: int | None = None
     token_ids: tuple[int, ...] | None = None
     swa: bool = False
+    medium: str = "GPU"
 
 
 @dataclass

@@ -333,6 +333,25 @@ class PrefixCache:
             self._emit("cleared", None)
         return before - len(self._index)
 
+    def drop_branch(self, end: Node) -> list[int]:
+        """Delete the chain ending at ``end`` (a session hibernated to L3), bottom up, while a
+        node is unpinned, childless, in no other checkpoint's window and untouched since
+        ``end`` was; nothing is demoted. Returns the hashes of the deleted pages."""
+        chain = list(end.ancestors(end.depth + 1))
+        limit = end.access
+        demote, self._demote = self._demote, False
+        try:
+            self._drop_checkpoint(end)
+            node: Node | None = end
+            while (node is not None and self._is_deletable(node) and node.ckpt_refs == 0
+                   and not node.is_ckpt_end and node.access <= limit):
+                parent = node.parent
+                self._delete_leaf(node)  # NOTE: may delete tombstone parents too
+                node = parent
+        finally:
+            self._demote = demote
+        return [n.page_hash for n in chain if not n.alive]
+
     # ---------------------------------------------------------------- eviction internals
 
     def _evict_one(self, ignore_retention: bool = False) -> bool:

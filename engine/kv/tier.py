@@ -21,17 +21,20 @@ to the deepest page end p where full KV (L1 or L2) covers [0, p) and SWA (L1 liv
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from engine.kv.host_pool import HostEntry, HostPagePool, HostStats
 from engine.kv.layout import PageKind
-from engine.kv.node import Node
+from engine.kv.node import CacheEvent, Node
 
 if TYPE_CHECKING:
     import torch
 
     from engine.kv.pool import KVPool
+
+
+MEDIUM = "CPU"  # engine.worker.events.MEDIUM_CPU
 
 
 class LowerTier(Protocol):
@@ -70,11 +73,18 @@ class LowerTier(Protocol):
 
 class HostTier:
     """L2: ``LowerTier`` over a ``HostPagePool``, copying to and from the device ``KVPool``
-    (None for the sim backend: the bookkeeping only)."""
+    (None for the sim backend: the bookkeeping only). ``on_event`` gets KV events with medium
+    "CPU" for what enters and leaves host memory."""
 
-    def __init__(self, host: HostPagePool, device_pool: KVPool | None) -> None:
+    def __init__(
+        self, host: HostPagePool, device_pool: KVPool | None,
+        on_event: Callable[[CacheEvent], None] | None = None,
+    ) -> None:
         self.host, self.device_pool = host, device_pool
         self.stats = host.stats
+        self.on_event = on_event
+        if on_event is not None:
+            host.on_remove = lambda e: on_event(CacheEvent("removed", e.page_hash, medium=MEDIUM))
 
     def store(self, node: Node, kinds: Sequence[PageKind]) -> None:
         pages = []
@@ -83,7 +93,25 @@ class HostTier:
             assert page_id is not None, f"storing the missing {kind.name} page of {node}"
             pages.append((kind, self._device_page(kind, page_id)))
         parent = node.parent.page_hash if node.parent is not None else None
-        self.host.put(node.page_hash, parent, node.token_ids, pages)
+        self.put(node.page_hash, parent, node.token_ids, pages)
+
+    def put(
+        self, page_hash: int, parent_hash: int | None, token_ids: tuple[int, ...] | None,
+        pages: Sequence[tuple[PageKind, torch.Tensor | None]],
+    ) -> HostEntry | None:
+        """``HostPagePool.put``, announced: "stored" when the full page came in, "swa_stored"
+        when only the SWA page did."""
+        before = self.host.get(page_hash)
+        had = (None, None) if before is None else (before.full_slot, before.swa_slot)
+        entry = self.host.put(page_hash, parent_hash, token_ids, pages)
+        if entry is None or self.on_event is None:
+            return entry
+        if entry.full_slot is not None and (before is not entry or had[0] is None):
+            self.on_event(CacheEvent("stored", page_hash, parent_hash, token_ids,
+                                     swa=entry.swa_slot is not None, medium=MEDIUM))
+        elif entry.swa_slot is not None and had[1] is None:
+            self.on_event(CacheEvent("swa_stored", page_hash, medium=MEDIUM))
+        return entry
 
     def lookup(
         self, page_hashes: Sequence[int], start: int, token_ids: Sequence[int] | None,

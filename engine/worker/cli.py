@@ -77,6 +77,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> list[argparse
         add("--host-kv-budget-mb", type=int,
             help="host-memory KV tier (L2) in MiB: evicted pages a later hit needs are kept "
                  "there (default 0: none)"),
+        add("--gcache", metavar="SPEC",
+            help="L3 KV store shared by workers: file:DIR[?max_bytes=N], "
+                 "redis://[[user]:password@]host:port/db[?ttl_s=S&timeout_s=S], rediss://..., "
+                 "redis+cluster://host:port,host:port,...; finished requests are written "
+                 "through, L2 evictions written back, queued requests prefetch from it "
+                 "(default: none; a password is better given as AGENTGATE_GCACHE than on a "
+                 "command line)"),
+        add("--gcache-wait-s", type=float,
+            help="longest a queued request waits for its L3 prefetch (default 0.5)"),
+        add("--hibernate-after-s", type=float,
+            help="write a session idle this long (and not retained) to L3 and drop it from "
+                 "the worker (needs --gcache; default 0: never)"),
         add("--max-batched-tokens", type=int, help="token budget per step (default 512)"),
         add("--no-prefix-cache", action="store_const", const=False, dest="prefix_cache",
             help="keep no KV of finished requests"),
@@ -126,7 +138,8 @@ def engine_config(args: argparse.Namespace, env: Mapping[str, str] | None = None
         ),
         max_num_batched_tokens=args.max_batched_tokens, enable_prefix_cache=args.prefix_cache,
         checkpoint_interval_tokens=args.checkpoint_interval_tokens,
-        dtype=args.dtype, device=args.device,
+        gcache=args.gcache, gcache_wait_s=args.gcache_wait_s,
+        hibernate_after_s=args.hibernate_after_s, dtype=args.dtype, device=args.device,
     )
 
 

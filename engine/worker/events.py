@@ -63,7 +63,9 @@ from engine.worker.curve import CurveClientKeys, CurveServerKeys
 
 logger = logging.getLogger(__name__)
 
-MEDIUM_GPU = "GPU"
+MEDIUM_GPU = "GPU"  # the device prefix cache (L1)
+MEDIUM_CPU = "CPU"  # L2 host memory of one worker (vLLM's offloading connector says "CPU" too)
+MEDIUM_GCACHE = "GCACHE"  # L3, the store shared by every worker of a deployment (issue 12)
 END_SEQ = -1
 SEQ_BYTES = 8  # NOTE: a message's seq frame: 8-byte big-endian
 

@@ -140,6 +140,7 @@ class Worker:
                 self._drain_messages()
             self._requests.admit_compiled()
             self._advance()
+            self.engine.tick()
             self._drop_silent_clients()
             self._publish()
             self._pub.poll_replay()
@@ -149,6 +150,7 @@ class Worker:
 
     def close(self) -> None:
         self._grammars.close()
+        self.engine.close()
         self._router.close(linger=0)
         self._pub.close()
         if self._auth is not None:
@@ -229,7 +231,9 @@ class Worker:
         idle_ms = int(self.cfg.idle_poll_s * 1000)
         if self._held is not None:  # NOTE: capped, so that stop() is seen within idle_poll_s
             return min(idle_ms, max(0, int((self._held.ready_at - time.monotonic()) * 1000)))
-        return 0 if self.engine.has_work else idle_ms
+        if not self.engine.has_work:
+            return idle_ms
+        return 1 if self.engine.only_fetching else 0  # NOTE: no spin while L3 loads
 
     def _drain_messages(self) -> None:
         for _ in range(self.cfg.max_messages_per_poll):
