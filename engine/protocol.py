@@ -260,6 +260,10 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True, kw_only=True):
             (a count since the worker started).
         host_pages, host_used_bytes, host_total_bytes: the host-memory tier (L2) below the
             prefix cache: pages held and its byte budget (all 0 without one).
+        storage_*: the L3 GCache's counters since the worker started (all 0 without one):
+            prompt tokens served from it, pages confirmed written, write jobs dropped (queue
+            full), failed store calls (an outage: read as misses), corrupt values (misses),
+            and ``hibernated_sessions``, sessions written out and dropped.
     """
 
     worker_id: str
@@ -276,6 +280,12 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True, kw_only=True):
     host_pages: int = 0
     host_used_bytes: int = 0
     host_total_bytes: int = 0
+    storage_hit_tokens: int = 0
+    storage_written_pages: int = 0
+    storage_write_dropped: int = 0
+    storage_errors: int = 0
+    storage_corrupt: int = 0
+    hibernated_sessions: int = 0
 
 
 class Replies(msgspec.Struct, tag="replies", frozen=True, kw_only=True):

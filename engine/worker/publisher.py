@@ -104,11 +104,13 @@ class RequestStream:
                     f"{seq.params.max_new_tokens} does not fit in this worker's KV memory")
             return ErrorReply(request_id=self.request_id, code="context_too_long", message=text)
         cached = self._cached()
-        host = min(seq.num_cached_host, cached)
+        storage = min(seq.num_cached_storage, cached)
+        host = min(seq.num_cached_host, cached - storage)
         return Finished(
             request_id=self.request_id, finish_reason=cast(FinishReason, seq.finish_reason),
             prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids),
-            cached_tokens=cached, cached_tokens_device=cached - host, cached_tokens_host=host,
+            cached_tokens=cached, cached_tokens_device=cached - host - storage,
+            cached_tokens_host=host, cached_tokens_storage=storage,
         )
 
     def _cached(self) -> int:
@@ -126,7 +128,10 @@ def load_report(worker_id: str, stats: EngineStats, instance_id: str = "") -> Lo
         used_bytes=s.used_bytes, total_bytes=s.total_bytes, cached_pages=s.cached_pages,
         retained_pages=s.retained_pages, retains_expired=s.retains_expired,
         host_pages=s.host_pages, host_used_bytes=s.host_used_bytes,
-        host_total_bytes=s.host_total_bytes,
+        host_total_bytes=s.host_total_bytes, storage_hit_tokens=s.storage_hit_tokens,
+        storage_written_pages=s.storage_written_pages,
+        storage_write_dropped=s.storage_write_dropped, storage_errors=s.storage_errors,
+        storage_corrupt=s.storage_corrupt, hibernated_sessions=s.hibernated_sessions,
     )
 
 
