@@ -44,6 +44,10 @@ class EngineConfig:
         hibernate_after_s: write a finished request's session to L3 and drop it from this
             worker (L1 and L2) once it has been idle this long and is not retained; 0: never.
             Needs ``gcache``.
+        layerwise_load: "on": pages loaded from L2 are copied layer by layer during the
+            forward that needs them (``engine.kv.layerwise``); "off": all before it; "auto"
+            (default): on with CUDA (copies on a side stream), off on CPU, where
+            ``loadtest/bench_layerwise.py`` measured no gain (the copier needs a free core).
         model_id: names the model in L3 keys (with the KV geometry); None: derived from the
             checkpoint (config.json and a sample of the weight files).
         dtype, device: for "native"; device None = CUDA when available.
@@ -63,6 +67,7 @@ class EngineConfig:
     gcache: str | None = field(default=None, repr=False)  # NOTE: may hold a password
     gcache_wait_s: float = 0.5
     hibernate_after_s: float = 0.0
+    layerwise_load: str = "auto"
     model_id: str | None = None
     dtype: str = "auto"
     device: str | None = None
@@ -85,6 +90,9 @@ class EngineConfig:
         assert self.gcache_wait_s >= 0, f"gcache_wait_s={self.gcache_wait_s}: must be >= 0"
         assert self.hibernate_after_s >= 0, (
             f"hibernate_after_s={self.hibernate_after_s}: must be >= 0"
+        )
+        assert self.layerwise_load in ("auto", "on", "off"), (
+            f"layerwise_load={self.layerwise_load!r}: auto, on or off"
         )
         if self.hibernate_after_s and not self.gcache:
             raise ValueError("hibernate_after_s needs gcache: sessions hibernate to L3")

@@ -26,6 +26,7 @@ from engine.kv.tier import HostTier
 
 if TYPE_CHECKING:
     from engine.kv.gcache.tier import GCacheTier
+    from engine.kv.layerwise import PageCopy
 from engine.model_config import ModelConfig
 from engine.sampler import SampleOutput
 from engine.sampling_params import SamplingParams
@@ -38,7 +39,8 @@ class ContextTooLong(ValueError):
 
 
 class Runner(Protocol):
-    def run(self, batch: list[Scheduled], pages: list[SeqPages]) -> SampleOutput | None: ...
+    def run(self, batch: list[Scheduled], pages: list[SeqPages],
+            loads: list[PageCopy] = ...) -> SampleOutput | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +228,13 @@ class Engine:
     def run_scheduled(self, batch: list[Scheduled]) -> list[Sequence]:
         """Forward an already scheduled batch, commit its KV and append sampled tokens."""
         pages = [self._step_pages(s.seq, s.query_len) for s in batch]
-        sampled = self.runner.run(batch, pages)
+        if self.host is not None and self.host.defer_loads:
+            try:  # NOTE: the pages admitted from L2 in this step's schedule, copied in the forward
+                sampled = self.runner.run(batch, pages, loads=self.host.take_loads())
+            finally:
+                self.host.loads_done()
+        else:
+            sampled = self.runner.run(batch, pages)
         sampling = [s.seq for s in batch if s.samples]
         for s in batch:
             self.kv.commit(s.seq, s.query_len)
@@ -268,7 +276,11 @@ class Engine:
         dtype = None if pool is None else pool.arena.dtype
         pin = pool is not None and pool.device.type == "cuda"
         host = HostPagePool(self.layout, budget, dtype, pin_memory=pin)
-        return HostTier(host, pool, on_event)
+        tier = HostTier(host, pool, on_event)
+        layerwise = self.cfg.layerwise_load
+        tier.defer_loads = pool is not None and (
+            layerwise == "on" or (layerwise == "auto" and pool.device.type == "cuda"))
+        return tier
 
     def _make_storage(self, on_event: Callable[[CacheEvent], None] | None) -> GCacheTier | None:
         """L3 below L2 (``cfg.gcache``)."""

@@ -1,4 +1,8 @@
-"""ModelRunner: one forward of the native model over a scheduled batch, then sampling."""
+"""ModelRunner: one forward of the native model over a scheduled batch, then sampling.
+
+A step may first load prefix pages from host memory (``loads``, issue 12): layer by layer while
+the forward runs (``layerwise.py``), or all of them before it (load-then-compute).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.kv.layerwise import LayerwiseLoad, PageCopy, load_pages
 from engine.kv.layout import KVLayout
 from engine.kv.paged import PagedBatch, SeqPages
 from engine.kv.pool import KVPool
@@ -32,13 +37,26 @@ class ModelRunner:
         self.sampler = Sampler()
 
     @torch.inference_mode()
-    def run(self, batch: Sequence[Scheduled], pages: Sequence[SeqPages]) -> SampleOutput | None:
-        """Forward every scheduled token; sample for the requests whose last token ran."""
+    def run(
+        self,
+        batch: Sequence[Scheduled],
+        pages: Sequence[SeqPages],
+        loads: Sequence[PageCopy] = (),
+        layerwise: bool = True,
+    ) -> SampleOutput | None:
+        """Forward every scheduled token; sample for the requests whose last token ran.
+
+        Args:
+            loads: host pages to copy into ``self.pool`` before their layers run; every copy
+                has finished when ``run`` returns or raises, so their host pages may be reused.
+            layerwise: copy layer by layer while the forward runs, else all before it.
+        Raises:
+            BaseException: a failed copy's error, or the forward's.
+        """
         ids = [s.seq.token(j) for s in batch for j in range(s.seq.num_computed,
                                                             s.seq.num_computed + s.query_len)]
-        kv = PagedBatch(self.pool, self.layout, pages)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, kv.positions(self.device), kv)
+        hidden, kv = self._forward(input_ids, pages, loads, layerwise)
         rows = [row for s, row in zip(batch, kv.last_token_rows()) if s.samples]
         if not rows:
             return None
@@ -51,3 +69,18 @@ class ModelRunner:
         return self.sampler.sample(logits, [q.params for q in sampling],
                                    [q.generator for q in sampling], allowed,
                                    history=penalty_history(sampling))
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        pages: Sequence[SeqPages],
+        loads: Sequence[PageCopy],
+        layerwise: bool,
+    ) -> tuple[torch.Tensor, PagedBatch]:
+        if not loads or not layerwise:
+            load_pages(self.pool, loads)  # load-then-compute (nothing to do without loads)
+            kv = PagedBatch(self.pool, self.layout, pages)
+            return self.model(input_ids, kv.positions(self.device), kv), kv
+        with LayerwiseLoad(self.pool, self.layout, loads, self.device) as load:
+            kv = PagedBatch(self.pool, self.layout, pages, wait_layer=load.wait_layer)
+            return self.model(input_ids, kv.positions(self.device), kv), kv

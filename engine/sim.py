@@ -49,7 +49,9 @@ class SimRunner:
         # NOTE: seeded requests' prompt digests (hashing the prompt every step would cost O(len))
         self._prompt_digests: OrderedDict[str, str] = OrderedDict()
 
-    def run(self, batch: Sequence[Scheduled], pages: Sequence[SeqPages]) -> SampleOutput | None:
+    def run(self, batch: Sequence[Scheduled], pages: Sequence[SeqPages],
+            loads: Sequence[object] = ()) -> SampleOutput | None:
+        """``loads``: the native runner's host pages to copy; none on the sim (no KV bytes)."""
         self.advance_clock(batch, pages)
         sampling = [s.seq for s in batch if s.samples]
         if not sampling:

@@ -76,6 +76,7 @@ class HostPagePool:
         )
         self._index: OrderedDict[int, HostEntry] = OrderedDict()  # LRU first
         self._protected: set[int] = set()
+        self._held: set[int] = set()  # entries whose pages a step has yet to copy out
         self.stats = HostStats()
         # called with an entry the LRU evicts, before its slots are freed (L3 write-back)
         self.on_evict: Callable[[HostEntry], None] | None = None
@@ -172,6 +173,14 @@ class HostPagePool:
     def unprotect(self) -> None:
         self._protected.clear()
 
+    def hold(self, page_hash: int) -> None:
+        """Keep this entry (its slots unchanged) until ``release_held``: a deferred copy out of
+        it (layer-wise loading) runs in the step's forward, after more admissions may demote."""
+        self._held.add(page_hash)
+
+    def release_held(self) -> None:
+        self._held.clear()
+
     def discard(self, page_hash: int) -> bool:
         """Drop one entry (a hibernated session's page); False when it is not here."""
         entry = self._index.get(page_hash)
@@ -192,7 +201,8 @@ class HostPagePool:
     def _make_room(self, num_full: int, num_swa: int, keep: int) -> bool:
         while not self.allocator.can_allocate(num_full, num_swa):
             victim = next(
-                (e for h, e in self._index.items() if h != keep and h not in self._protected),
+                (e for h, e in self._index.items()
+                 if h != keep and h not in self._protected and h not in self._held),
                 None,
             )  # NOTE: the least recently used one that no load in progress needs
             if victim is None:

@@ -21,11 +21,16 @@ left-aligned in a [B, L] grid (L = the most keys of any row):
 
 A row without padding sums over the same columns as its sequence alone, so it gives that
 sequence's own result bit for bit; a padded row differs by float summation order only.
+
+A step whose prefix KV is still being loaded layer by layer (``layerwise.py``) passes
+``wait_layer``: ``attend`` calls it first, before it writes or reads that layer's pool memory.
+What ``__init__`` precomputes (slot mappings, key slot rows, masks) is page arithmetic only and
+reads no KV, so it may run while the copies are in flight.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -80,11 +85,19 @@ class PagedBatch:
 
     Sequence i contributes ``seqs[i].query_len`` tokens at positions
     ``num_cached .. seq_len - 1``; their K/V go to those positions' pages as each layer runs.
+    ``wait_layer(layer_id)``, if given, runs before each layer touches the pool (see above).
     """
 
-    def __init__(self, pool: KVPool, layout: KVLayout, seqs: Sequence[SeqPages]) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        layout: KVLayout,
+        seqs: Sequence[SeqPages],
+        wait_layer: Callable[[int], None] | None = None,
+    ) -> None:
         assert seqs and all(s.query_len > 0 for s in seqs), "every sequence needs >= 1 query"
         self.pool, self.layout, self.seqs = pool, layout, list(seqs)
+        self._wait_layer = wait_layer
         self._offsets = [0]
         for s in self.seqs:
             self._offsets.append(self._offsets[-1] + s.query_len)
@@ -112,6 +125,8 @@ class PagedBatch:
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
     ) -> torch.Tensor:
+        if self._wait_layer is not None:
+            self._wait_layer(spec.layer_id)
         kind, _ = self.layout.layer_index(spec.layer_id)
         where, offsets = self._writes[kind]
         self.pool.write_at(spec.layer_id, where, offsets, k, v)

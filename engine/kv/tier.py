@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from engine.kv.host_pool import HostEntry, HostPagePool, HostStats
+from engine.kv.layerwise import PageCopy
 from engine.kv.layout import PageKind
 from engine.kv.node import CacheEvent, Node
 
@@ -83,6 +84,10 @@ class HostTier:
         self.host, self.device_pool = host, device_pool
         self.stats = host.stats
         self.on_event = on_event
+        # NOTE: layer-wise loading: ``load`` records the copies here (the host entries held)
+        # for the step's forward to make (``take_loads``), instead of copying at once
+        self.defer_loads = False
+        self._loads: list[PageCopy] = []
         if on_event is not None:
             host.on_remove = lambda e: on_event(CacheEvent("removed", e.page_hash, medium=MEDIUM))
 
@@ -141,7 +146,25 @@ class HostTier:
         return entry
 
     def load(self, entry: HostEntry, kind: PageKind, page_id: int) -> None:
-        self.host.copy_out(entry, kind, self._device_page(kind, page_id))
+        if not self.defer_loads or self.device_pool is None:
+            self.host.copy_out(entry, kind, self._device_page(kind, page_id))
+            return
+        slot = entry.slot(kind)
+        assert slot is not None, f"host entry {entry.page_hash} holds no {kind.name} page"
+        src = self.host.page(kind, slot)
+        assert src is not None
+        self.host.hold(entry.page_hash)
+        self.host.copy_out(entry, kind, None)  # NOTE: the bookkeeping (LRU, counters) only
+        self._loads.append(PageCopy(kind, src, page_id))
+
+    def take_loads(self) -> list[PageCopy]:
+        """The copies deferred since the last call; ``loads_done`` once they are made."""
+        loads, self._loads = self._loads, []
+        return loads
+
+    def loads_done(self) -> None:
+        """The step's forward made the deferred copies: their host entries may go."""
+        self.host.release_held()
 
     def protect(self, page_hashes: Iterable[int]) -> None:
         self.host.protect(page_hashes)

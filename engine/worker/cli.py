@@ -89,6 +89,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> list[argparse
         add("--hibernate-after-s", type=float,
             help="write a session idle this long (and not retained) to L3 and drop it from "
                  "the worker (needs --gcache; default 0: never)"),
+        add("--layerwise-load", choices=("auto", "on", "off"),
+            help="copy pages loaded from L2 layer by layer during the forward (on), or all "
+                 "before it (off); auto (default): on with CUDA, off on CPU"),
         add("--max-batched-tokens", type=int, help="token budget per step (default 512)"),
         add("--no-prefix-cache", action="store_const", const=False, dest="prefix_cache",
             help="keep no KV of finished requests"),
@@ -139,7 +142,8 @@ def engine_config(args: argparse.Namespace, env: Mapping[str, str] | None = None
         max_num_batched_tokens=args.max_batched_tokens, enable_prefix_cache=args.prefix_cache,
         checkpoint_interval_tokens=args.checkpoint_interval_tokens,
         gcache=args.gcache, gcache_wait_s=args.gcache_wait_s,
-        hibernate_after_s=args.hibernate_after_s, dtype=args.dtype, device=args.device,
+        hibernate_after_s=args.hibernate_after_s, layerwise_load=args.layerwise_load,
+        dtype=args.dtype, device=args.device,
     )
 
 

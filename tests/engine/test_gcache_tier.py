@@ -75,12 +75,15 @@ def gcache_dir(tmp_path: Path) -> str:
     return f"file:{tmp_path / 'gcache'}"
 
 
-def test_resume_on_another_engine_is_greedy_identical(make_checkpoint, gcache_dir) -> None:
+@pytest.mark.parametrize("layerwise", ["off", "on"])
+def test_resume_on_another_engine_is_greedy_identical(make_checkpoint, gcache_dir,
+                                                      layerwise: str) -> None:
     """A session's turns on engine A are written through to a shared file GCache; its next turn
-    on engine B (a cold L1 and L2) loads the history from L3, and every greedy token equals an
-    engine without any cache."""
+    on engine B (a cold L1 and L2) loads the history from L3 (layer by layer in the forward, or
+    before it), and every greedy token equals an engine without any cache."""
     model_dir = make_checkpoint(seed=3, layers="FSSF", sliding_window=8)
-    a, b = _llm(model_dir, gcache_dir), _llm(model_dir, gcache_dir)
+    a = _llm(model_dir, gcache_dir)
+    b = _llm(model_dir, gcache_dir, layerwise_load=layerwise)
     plain = _llm(model_dir, None, cache=False)
     rng = random.Random(11)
     msgs = _session(rng, 3)

@@ -198,22 +198,25 @@ def test_finished_splits_cached_tokens_by_tier() -> None:
 # -- native: greedy tokens unchanged -----------------------------------------------------------
 
 
-def _llm(model_dir: Path, *, l1_chunks: int, l2_chunks: int, cache: bool = True) -> LLM:
+def _llm(model_dir: Path, *, l1_chunks: int, l2_chunks: int, cache: bool = True,
+         layerwise_load: str = "off") -> LLM:
     cfg = ModelConfig.from_dir(model_dir)
     chunk_bytes = KVLayout.from_model(cfg, 4, 4).chunk_bytes
     return LLM(model_dir, dtype="float32", device="cpu", page_size=4,
                kv_budget_bytes=l1_chunks * chunk_bytes,
                host_kv_budget_bytes=l2_chunks * chunk_bytes,
                enable_prefix_cache=cache, max_num_batched_tokens=16,
-               checkpoint_interval_tokens=0)
+               checkpoint_interval_tokens=0, layerwise_load=layerwise_load)
 
 
-def test_greedy_tokens_identical_through_l2(make_checkpoint) -> None:
+@pytest.mark.parametrize("layerwise", ["off", "on"])
+def test_greedy_tokens_identical_through_l2(make_checkpoint, layerwise: str) -> None:
     """Sessions whose turns share long prefixes on a tiny L1 (it evicts, and is flushed down to L2
     between rounds) give the same greedy tokens as an engine without any cache, and L2 served
-    part of the prompts."""
+    part of the prompts; with the pages copied before the forward or layer by layer in it."""
     model_dir = make_checkpoint(seed=2, layers="FSSF", sliding_window=8)
-    tiered = _llm(model_dir, l1_chunks=40, l2_chunks=400)
+    tiered = _llm(model_dir, l1_chunks=40, l2_chunks=400, layerwise_load=layerwise)
+    assert tiered.engine.host.defer_loads == (layerwise == "on")
     plain = _llm(model_dir, l1_chunks=400, l2_chunks=0, cache=False)
     rng = random.Random(5)
     base = [rng.randrange(300) for _ in range(24)]
@@ -242,10 +245,12 @@ def test_greedy_tokens_identical_through_l2(make_checkpoint) -> None:
     assert all(o.cached_tokens == 0 for o in want)
 
 
-def test_loaded_pages_hold_the_demoted_bytes(make_checkpoint) -> None:
-    """A page loaded back from L2 holds exactly the KV it had when it was demoted."""
+@pytest.mark.parametrize("layerwise", ["off", "on"])
+def test_loaded_pages_hold_the_demoted_bytes(make_checkpoint, layerwise: str) -> None:
+    """A page loaded back from L2 holds exactly the KV it had when it was demoted (copied
+    before the forward, or layer by layer in it)."""
     model_dir = make_checkpoint(seed=2, layers="FSSF", sliding_window=8)
-    llm = _llm(model_dir, l1_chunks=200, l2_chunks=200)
+    llm = _llm(model_dir, l1_chunks=200, l2_chunks=200, layerwise_load=layerwise)
     engine = llm.engine
     prompt = list(range(10, 50))
     llm.generate([prompt], _greedy(3))
