@@ -7,13 +7,13 @@
    engine) and (b) an SGLang-style cache (loadtest/sglang_ref.py); ours once per periodic
    checkpoint interval (--intervals, 0 = none), side by side, to choose the default (issue 9).
 3. decode: decode tok/s with continuous batching at batch 1, 8, 32 vs transformers generate().
-4. tiers (issue 12): hit rate by tier on the traces with a small L1 and an L2 host tier, against
-   L1 alone and a cache that never evicts (the infinite-cache maximum), side by side; not in
-   the default parts.
+4. tiers (issue 12): hit rate by tier on the traces with a small L1, an L2 host tier and an L3
+   file GCache, against L1 alone and a cache that never evicts (the infinite-cache maximum),
+   side by side; not in the default parts.
 
     python loadtest/bench_engine.py [kv-bytes|hit-rate|decode|tiers ...] [--budgets 1,3,10,30]
         [--traces conversation,synthetic] [--limit N] [--intervals 0,8192]
-        [--no-baselines] [--host-budget 30]
+        [--no-baselines] [--host-budget 30] [--no-l3]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import argparse
 import time
 
 import mooncake as tr  # loadtest/ is the script's directory
+from redis_local import local_redis
 from sglang_ref import SGLangStyleCache
 
 from engine.config import EngineConfig
@@ -64,12 +65,14 @@ TOKEN_BYTES = LAYERS * KV_HEADS * 2 * HEAD_DIM * DTYPE_BYTES  # one token, all l
 
 
 def sim_engine(budget_tokens: float, *, all_full: bool = False, cache: bool = True,
-               interval: int = 0, host_budget_tokens: float = 0) -> Engine:
+               interval: int = 0, host_budget_tokens: float = 0,
+               gcache: str | None = None) -> Engine:
     cfg = EngineConfig(backend="sim", page_size=PAGE, kv_budget_bytes=int(budget_tokens
                        * TOKEN_BYTES), max_num_batched_tokens=CHUNK, max_running_requests=1,
                        enable_prefix_cache=cache, keep_page_tokens=False,
                        checkpoint_interval_tokens=interval,
-                       host_kv_budget_bytes=int(host_budget_tokens * TOKEN_BYTES))
+                       host_kv_budget_bytes=int(host_budget_tokens * TOKEN_BYTES),
+                       gcache=gcache, gcache_wait_s=60.0)
     return Engine(cfg, model_config=pro_geometry(all_full), cost=ZERO_COST)
 
 
@@ -116,13 +119,14 @@ def replay_ours(records: list[tr.Record], src: tr.TokenSource, budget: float,
 
 def replay_tiers(records: list[tr.Record], src: tr.TokenSource, budget: float,
                  host_budget: float, *, all_full: bool = False,
-                 interval: int = DEFAULT_INTERVAL) -> tuple[float, float]:
-    """(token hit rate, the part of it served from L2) of a trace replay; budgets in M
-    full-attention-token equivalents (0 host: no L2)."""
+                 interval: int = DEFAULT_INTERVAL,
+                 gcache: str | None = None) -> tuple[float, float, float]:
+    """(token hit rate, the part of it served from L2, the part from L3) of a trace replay;
+    budgets in M full-attention-token equivalents (0 host: no L2; ``gcache``: an L3 store)."""
     eng = sim_engine(budget * 1e6, all_full=all_full, interval=interval,
-                     host_budget_tokens=host_budget * 1e6)
+                     host_budget_tokens=host_budget * 1e6, gcache=gcache)
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
-    hit = host = total = 0
+    hit = host = storage = total = 0
     for i, rec in enumerate(records):
         tokens, hashes = src.tokens(rec), src.hashes(rec)
         last_block = rec.input_length // tr.BLOCK_TOKENS * tr.BLOCK_TOKENS
@@ -130,11 +134,19 @@ def replay_tiers(records: list[tr.Record], src: tr.TokenSource, budget: float,
                                 checkpoint_positions=(last_block, rec.input_length))
         eng.add(seq)
         while eng.has_work:
+            if eng.only_fetching:
+                time.sleep(0.0002)  # NOTE: L3 prefetch in flight (its thread needs the GIL)
             eng.step()
+        if gcache is not None:
+            # NOTE: the write-through of this request reaches L3 before the next one looks
+            # (a trace replay in order, as if a little time passed between requests)
+            eng.storage.flush_writes(60.0)
         hit += seq.num_cached
         host += seq.num_cached_host
+        storage += seq.num_cached_storage
         total += rec.input_length
-    return hit / total, host / total
+    eng.close()
+    return hit / total, host / total, storage / total
 
 
 def replay_sglang(records: list[tr.Record], src: tr.TokenSource, budget: float) -> float:
@@ -196,14 +208,19 @@ def infinite_hit_rate(records: list[tr.Record], src: tr.TokenSource) -> float:
 
 
 def bench_tiers(traces: list[str], budgets: list[float], host_budget: float,
-                limit: int | None) -> None:
-    """One row per trace and L1 budget: L1 alone, L1 + an L2 of ``host_budget``, and a cache
-    that never evicts (``infinite_hit_rate``: the most any tiering can reach)."""
+                limit: int | None, l3: bool = True) -> None:
+    """One row per trace and L1 budget: L1 alone, L1 + an L2 of ``host_budget``, L1 + L2 + an
+    L3 on a local Redis (``l3``; unbounded here, as a shared store is next to a worker's
+    memory; a file store writes a file per page, too slow for a trace replay here), and
+    a cache that never evicts (``infinite_hit_rate``: the most any tiering can reach)."""
     print(f"tiers: token hit rate by tier, prefill-only replay in trace order, page 16, W = 128, "
           f"checkpoint every {DEFAULT_INTERVAL}; budgets in M full-attention-token equivalents; "
-          f"L2 = {host_budget:g}M (host memory, sim bookkeeping)")
+          f"L2 = {host_budget:g}M (host memory, sim bookkeeping); L3 = a GCache on a local "
+          f"redis-server (sim values: keys and headers only; '-' without redis-server), "
+          f"written through at each request's end")
     print(f"{'trace':>12} {'L1':>6} {'L1 alone':>9} {'L1+L2':>7} {'of it L2':>9} "
-          f"{'infinite':>9} {'L1+L2/inf':>10} {'L1/inf':>7} {'secs':>6}")
+          f"{'L1+L2+L3':>9} {'of it L3':>9} {'infinite':>9} {'L1+L2/inf':>10} "
+          f"{'L1+L2+L3/inf':>13} {'L1/inf':>7} {'secs':>6}")
     for name in traces:
         records = tr.load(name, limit)
         src = tr.TokenSource(vocab_size=152_576, page_size=PAGE)
@@ -211,10 +228,18 @@ def bench_tiers(traces: list[str], budgets: list[float], host_budget: float,
         for budget in budgets:
             t0 = time.perf_counter()
             alone = replay_tiers(records, src, budget, 0.0)[0]
-            both, host = replay_tiers(records, src, budget, host_budget)
+            both, host, _ = replay_tiers(records, src, budget, host_budget)
+            three = in_l3 = None
+            if l3:
+                with local_redis() as url:
+                    if url is not None:  # NOTE: a fresh store for each row
+                        three, _, in_l3 = replay_tiers(records, src, budget, host_budget,
+                                                       gcache=url)
+            ratio3 = "-" if three is None else f"{three / infinite:.3f}"
             print(f"{name:>12} {budget:>5g}M {alone:9.1%} {both:7.1%} {host:9.1%} "
-                  f"{infinite:9.1%} {both / infinite:10.3f} {alone / infinite:7.3f} "
-                  f"{time.perf_counter() - t0:6.0f}", flush=True)
+                  f"{_pct(three):>9} {_pct(in_l3):>9} {infinite:9.1%} {both / infinite:10.3f} "
+                  f"{ratio3:>13} {alone / infinite:7.3f} {time.perf_counter() - t0:6.0f}",
+                  flush=True)
 
 
 def _pct(x: float | None) -> str:
@@ -242,6 +267,7 @@ def main() -> None:
     ap.add_argument("--no-baselines", action="store_true", help="skip all-full and sglang-style")
     ap.add_argument("--host-budget", type=float, default=30.0,
                     help="tiers: the L2 budget, M full-attention-token equivalents")
+    ap.add_argument("--no-l3", action="store_true", help="tiers: skip the L1+L2+L3 replay")
     args = ap.parse_args()
     if "kv-bytes" in args.parts:
         bench_kv_bytes()
@@ -251,7 +277,7 @@ def main() -> None:
                        not args.no_baselines)
     if "tiers" in args.parts:
         bench_tiers(args.traces.split(","), [float(b) for b in args.budgets.split(",")],
-                    args.host_budget, args.limit)
+                    args.host_budget, args.limit, l3=not args.no_l3)
     if "decode" in args.parts:
         from bench_decode import bench_decode
 

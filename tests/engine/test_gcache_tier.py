@@ -474,3 +474,24 @@ def test_the_machine_reached_every_tier() -> None:
     if not any(GCacheMachine.reached.values()):
         pytest.skip("the state machine did not run in this session (-k)")
     assert all(GCacheMachine.reached.values()), GCacheMachine.reached
+
+
+def test_gcache_flags_reach_the_engine_config_and_serve_forwards_them() -> None:
+    import argparse
+
+    from engine.worker.cli import add_arguments, engine_argv, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    endpoints = ["--listen", "tcp://127.0.0.1:1", "--events", "tcp://127.0.0.1:2"]
+    flags = ["--gcache", "redis://:pw@127.0.0.1:6379/0", "--gcache-wait-s", "0.2",
+             "--hibernate-after-s", "30.0", "--layerwise-load", "on"]
+    args = parser.parse_args([*endpoints, "--backend", "sim", *flags])
+    assert engine_argv(args) == flags, engine_argv(args)  # what serve passes to its workers
+    cfg = engine_config(args, env={})
+    assert (cfg.gcache, cfg.gcache_wait_s, cfg.hibernate_after_s, cfg.layerwise_load) == (
+        "redis://:pw@127.0.0.1:6379/0", 0.2, 30.0, "on")
+    assert "pw" not in repr(cfg), "the store's password would reach a log"
+    env = engine_config(parser.parse_args([*endpoints, "--backend", "sim"]),
+                        env={"AGENTGATE_GCACHE": "file:/tmp/x", "AGENTGATE_GCACHE_WAIT_S": "1.5"})
+    assert (env.gcache, env.gcache_wait_s) == ("file:/tmp/x", 1.5)
