@@ -14,8 +14,9 @@ topic="kv")``) sees no gaps caused by load reports. A subscriber to ``""`` gets 
 dispatch on the first frame.
 
 ``KVEventBuffer`` collects the prefix cache's ``CacheEvent``s during a step and turns them into
-``engine.worker.events`` types, merging consecutive events of one kind where the merged event
-means the same (``BlockStored`` only when the pages chain).
+``engine.worker.events`` types, merging consecutive events of one kind and one medium where the
+merged event means the same (``BlockStored`` only when the pages chain). Each event carries its
+``CacheEvent.medium`` ("GPU", "CPU" for L2, "GCACHE" for L3) in its ``medium`` field.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from engine.protocol import ErrorReply, Finished, FinishReason, LoadReport, Toke
 from engine.sequence import Sequence
 from engine.worker.curve import CurveServerKeys
 from engine.worker.events import (
+    MEDIUM_GPU,
     SEQ_BYTES,
     AllBlocksCleared,
     BlockRemoved,
@@ -158,9 +160,10 @@ class WorkerPublisher(EventPublisher):
 
 @dataclass(slots=True)
 class _Run:
-    """Consecutive cache events of one kind, merged (mutable while the step runs)."""
+    """Consecutive cache events of one kind and medium, merged (mutable while the step runs)."""
 
     kind: str
+    medium: str = MEDIUM_GPU
     hashes: list[int] = field(default_factory=list)
     parent: int | None = None
     token_ids: list[int] | None = None
@@ -184,7 +187,7 @@ class KVEventBuffer:
         if last is not None and _extends(last, event):
             _append(last, event)
             return
-        run = _Run(event.kind, parent=event.parent_hash)
+        run = _Run(event.kind, event.medium, parent=event.parent_hash)
         if event.kind == "stored" and event.token_ids is not None:
             run.token_ids = []
         if event.kind != "cleared":
@@ -199,31 +202,34 @@ class KVEventBuffer:
         for run in runs:
             out.append(self._to_event(run))
             if run.kind == "stored" and run.swa:
-                out.append(SwaBlocksStored(block_hashes=run.swa, window=self.window))
+                out.append(SwaBlocksStored(block_hashes=run.swa, window=self.window,
+                                           medium=run.medium))
         return out
 
     def _to_event(self, run: _Run) -> KVEvent:
+        medium = run.medium
         if run.kind == "stored":
             return BlockStored(block_hashes=run.hashes, parent_block_hash=run.parent,
-                               token_ids=run.token_ids or [], block_size=self.page_size)
+                               token_ids=run.token_ids or [], block_size=self.page_size,
+                               medium=medium)
         if run.kind == "removed":
-            return BlockRemoved(block_hashes=run.hashes)
+            return BlockRemoved(block_hashes=run.hashes, medium=medium)
         if run.kind == "swa_stored":
-            return SwaBlocksStored(block_hashes=run.hashes, window=self.window)
+            return SwaBlocksStored(block_hashes=run.hashes, window=self.window, medium=medium)
         if run.kind == "swa_dropped":
-            return SwaBlocksDropped(block_hashes=run.hashes)
+            return SwaBlocksDropped(block_hashes=run.hashes, medium=medium)
         if run.kind == "ckpt_stored":
-            return SwaCheckpointStored(block_hashes=run.hashes, window=self.window)
+            return SwaCheckpointStored(block_hashes=run.hashes, window=self.window, medium=medium)
         if run.kind == "ckpt_dropped":
-            return SwaCheckpointDropped(block_hashes=run.hashes)
+            return SwaCheckpointDropped(block_hashes=run.hashes, medium=medium)
         assert run.kind == "cleared", f"unknown cache event kind {run.kind!r}"
-        return AllBlocksCleared()
+        return AllBlocksCleared()  # NOTE: no medium on the wire (vLLM's has none either)
 
 
 def _extends(run: _Run, event: CacheEvent) -> bool:
     """Whether ``event`` can join ``run`` without changing what the events say."""
-    if event.kind != run.kind:
-        return False
+    if event.kind != run.kind or event.medium != run.medium:
+        return False  # NOTE: a run is one medium: a page in L2 is not one in L1
     if event.kind != "stored":
         return True  # removals, checkpoint events: a set of hashes; "cleared" twice = once
     # NOTE: one BlockStored is a chain: page i's parent is page i - 1 (and the tokens must be

@@ -64,6 +64,15 @@ without any live window on it). A page the index lost (the cap) inside a chain i
 deeper pages of can make the search stop early or jump the hole; both are under-reports, as the
 engine does hold the prefix of any page it holds.
 
+Tiers below the device (``gateway.routing.tiers``): events with medium "CPU" build each worker's
+L2 view (bounded by ``max_host_pages`` over all workers, least recently stored of the biggest
+worker first); events with medium "GCACHE" from any worker build ONE shared L3 view, credited on
+every worker, bounded by ``max_storage_pages`` and aged by ``storage_ttl_s`` on ``clock`` (L3
+never reports removals). While either holds anything, ``match`` extends each worker's device
+match through them by the window rule across tiers and reports, in ``MatchResult.host_pages`` /
+``storage_pages``, how many usable pages would be loaded from each (``matching.match_tiers``).
+``AllBlocksCleared`` clears the worker's device and L2 views, never the shared L3 one.
+
 Memory: at most ``max_pages`` page entries over all workers (about 170 bytes each with CPython
 3.11: the hash, its parent link and the LRU order; test_routing_index.py measures it); beyond it
 the least recently stored entry (a match touches its end page) of the biggest worker is dropped
@@ -73,13 +82,16 @@ the least recently stored entry (a match touches its end page) of the biggest wo
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 
 from engine.utils import cdiv
 from engine.worker.events import (
+    MEDIUM_CPU,
+    MEDIUM_GCACHE,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
@@ -91,10 +103,19 @@ from engine.worker.events import (
     SwaCheckpointDropped,
     SwaCheckpointStored,
 )
-from gateway.routing.matching import MatchResult, full_pages, match_all
+from gateway.routing.matching import MatchResult, full_pages, match_all, match_tiers
+from gateway.routing.tiers import (
+    DEFAULT_MAX_STORAGE_PAGES,
+    DEFAULT_STORAGE_TTL_S,
+    FULL,
+    SWA,
+    HostView,
+    StorageView,
+)
 
 DEFAULT_MAX_PAGES = 1_000_000  # ~250 MB; 16M tokens at 16 tokens a page
 DEFAULT_MAX_PREDICTED_PAGES = 200_000  # optimistic entries over all workers
+DEFAULT_MAX_HOST_PAGES = 1_000_000  # L2 entries over all workers, ~100 bytes each
 MAX_PENDING_BATCHES = 10_000  # live batches held while a replay fills the gap before them
 
 
@@ -104,6 +125,7 @@ class IndexStats:
     resyncs: int = 0  # times a worker's pages were forgotten for a gap no replay covered
     restarts: int = 0  # times a worker's pages were forgotten for a restart
     evicted_pages: int = 0  # dropped by the max_pages cap
+    evicted_host_pages: int = 0  # dropped by the max_host_pages cap
 
 
 @dataclass(slots=True)
@@ -124,12 +146,15 @@ class _Worker:
     pred_ckpts: dict[int, tuple[int, float]] = field(default_factory=dict)
     last_end: int = 0  # NOTE: the previous match's end (pages) and hash there: a search hint
     last_end_hash: int = 0
+    host: HostView = field(default_factory=HostView)  # NOTE: its L2 (medium "CPU")
 
     def clear(self) -> None:
+        """Forget the device and L2 views (the shared L3 one is not the worker's)."""
         self.pages.clear()
         self.ckpts.clear()
         self.cover.clear()
         self.swa.clear()
+        self.host.clear()
 
     def add_ckpt(self, end: int, k: int) -> None:
         """A checkpoint ends at ``end``: its window is ``end`` and up to k - 1 known parents."""
@@ -169,6 +194,10 @@ class KVIndex:
         max_pages: cap on page entries over all workers.
         max_predicted_pages: cap on optimistic entries (``predict``) over all workers, about
             100 bytes each.
+        max_host_pages: cap on L2 ("CPU") entries over all workers.
+        max_storage_pages: cap on the shared L3 ("GCACHE") entries.
+        storage_ttl_s: an L3 entry not confirmed again for this long is forgotten.
+        clock: seconds, for the L3 ages (``time.monotonic``; a replay passes its own).
     """
 
     def __init__(
@@ -176,13 +205,23 @@ class KVIndex:
         page_size: int,
         max_pages: int = DEFAULT_MAX_PAGES,
         max_predicted_pages: int = DEFAULT_MAX_PREDICTED_PAGES,
+        *,
+        max_host_pages: int = DEFAULT_MAX_HOST_PAGES,
+        max_storage_pages: int = DEFAULT_MAX_STORAGE_PAGES,
+        storage_ttl_s: float = DEFAULT_STORAGE_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         assert page_size > 0 and max_pages > 0, (page_size, max_pages)
+        assert max_host_pages > 0, max_host_pages
         self.page_size, self.max_pages = page_size, max_pages
         self.max_predicted_pages = max_predicted_pages
+        self.max_host_pages = max_host_pages
+        self.clock = clock
         self.stats = IndexStats()
+        self.storage = StorageView(max_storage_pages, storage_ttl_s)
         self._workers: dict[str, _Worker] = {}
         self._num_pages = 0
+        self._num_host = 0  # NOTE: L2 entries over all workers
         # NOTE: (until_s, worker, its _Worker, page hashes, checkpoint ends) in insertion order
         self._pred_queue: deque[tuple[float, str, _Worker, list[int], list[int]]] = deque()
         self._num_pred = 0  # live page entries
@@ -193,6 +232,16 @@ class KVIndex:
     @property
     def num_pages(self) -> int:
         return self._num_pages
+
+    @property
+    def num_host_pages(self) -> int:
+        """L2 ("CPU") entries over all workers."""
+        return self._num_host
+
+    @property
+    def num_storage_pages(self) -> int:
+        """Shared L3 ("GCACHE") entries, full and SWA, as of the last event or match."""
+        return len(self.storage)
 
     def workers(self) -> list[str]:
         return list(self._workers)
@@ -218,11 +267,19 @@ class KVIndex:
         A worker whose window is not known yet (no checkpoint event, no ``window_pages`` given)
         gets ``usable_pages = 0`` from confirmed pages. With ``now_s``, optimistic entries live
         at ``now_s`` count too (see the module docstring). The deepest matched page counts as
-        recently used for the cap.
+        recently used for the cap. While an L2 or the shared L3 view holds anything, the match
+        goes on through them (the module docstring).
         """
         if now_s is not None:
             self.expire(now_s)
-        return match_all(self._workers, page_hashes, now_s) if page_hashes else {}
+        if not page_hashes:
+            return {}
+        store = self.storage
+        if store:
+            store.expire(self.clock())
+        if not self._num_host and not store:
+            return match_all(self._workers, page_hashes, now_s)
+        return match_tiers(self._workers, store, page_hashes, now_s)
 
     def confirmed_pages(self, worker_id: str, page_hashes: Sequence[int], hint: int = 0) -> int:
         """The raw match of ``page_hashes`` on ``worker_id`` from events alone (no
@@ -305,6 +362,7 @@ class KVIndex:
         w = self._workers.pop(worker_id, None)
         if w is not None:
             self._num_pages -= len(w.pages)
+            self._num_host -= len(w.host)
 
     def note_instance(self, worker_id: str, instance_id: str) -> bool:
         """Record the worker's process instance; a new one means a restart (pages forgotten,
@@ -379,10 +437,18 @@ class KVIndex:
     def _apply_event(self, w: _Worker, event: KVEvent) -> None:
         if isinstance(event, AllBlocksCleared):
             self._num_pages -= len(w.pages)
-            w.clear()
+            self._num_host -= len(w.host)
+            w.clear()  # NOTE: its device and L2 views; the shared L3 stays
             return
-        if getattr(event, "medium", MEDIUM_GPU) not in (MEDIUM_GPU, None):
-            return  # NOTE: other tiers (host, storage) are not device hits; not tracked yet
+        medium = getattr(event, "medium", MEDIUM_GPU)
+        if medium == MEDIUM_CPU:
+            self._apply_host_event(w, event)
+            return
+        if medium == MEDIUM_GCACHE:
+            self._apply_storage_event(w, event)
+            return
+        if medium not in (MEDIUM_GPU, None):
+            return  # NOTE: a medium this index does not know (another connector's): no credit
         if isinstance(event, BlockStored):
             parent = event.parent_block_hash
             for h in event.block_hashes:
@@ -410,6 +476,29 @@ class KVIndex:
             w.swa.update(h for h in event.block_hashes if h in pages)
         elif isinstance(event, SwaBlocksDropped):
             w.swa.difference_update(event.block_hashes)
+
+    def _apply_host_event(self, w: _Worker, event: KVEvent) -> None:
+        """L2 ("CPU"): what enters and leaves the worker's host memory. Checkpoint events are
+        not sent for L2 (its SWA comes per page) and are ignored."""
+        host = w.host
+        if isinstance(event, BlockStored):
+            self._num_host += host.store(event.block_hashes, FULL)
+        elif isinstance(event, SwaBlocksStored):
+            w.window_pages = cdiv(event.window or 0, self.page_size)
+            self._num_host += host.store(event.block_hashes, SWA)
+        elif isinstance(event, SwaBlocksDropped):
+            self._num_host -= host.drop_swa(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            self._num_host -= host.remove(event.block_hashes)
+
+    def _apply_storage_event(self, w: _Worker, event: KVEvent) -> None:
+        """L3 ("GCACHE"): confirmations only; the store's TTL and LRU evict silently (and any
+        removal a publisher might send is ignored: another worker may have written it again)."""
+        if isinstance(event, BlockStored):
+            self.storage.store(event.block_hashes, FULL, self.clock())
+        elif isinstance(event, SwaBlocksStored):
+            w.window_pages = cdiv(event.window or 0, self.page_size)
+            self.storage.store(event.block_hashes, SWA, self.clock())
 
     def _drain(self, w: _Worker) -> int | None:
         while (batch := w.pending.pop(w.next_seq, None)) is not None:
@@ -453,6 +542,7 @@ class KVIndex:
 
     def _forget(self, w: _Worker, next_seq: int) -> None:
         self._num_pages -= len(w.pages)
+        self._num_host -= len(w.host)
         w.clear()
         w.pending = {s: b for s, b in w.pending.items() if s >= next_seq}
         w.next_seq = next_seq
@@ -464,3 +554,8 @@ class KVIndex:
             biggest.remove(next(iter(biggest.pages)))
             self._num_pages -= 1
             self.stats.evicted_pages += 1
+        while self._num_host > self.max_host_pages:
+            biggest = max(self._workers.values(), key=lambda w: len(w.host))
+            biggest.host.pop_oldest()
+            self._num_host -= 1
+            self.stats.evicted_host_pages += 1

@@ -2,33 +2,50 @@
 the hot path of every routing decision, kept apart from the index's event bookkeeping.
 
 See the ``index`` module docstring for the rules (window-safe credit, predictions, why a binary
-search is sound on a prefix-closed cache).
+search is sound on a prefix-closed cache). ``match_tiers`` extends the device match through the
+worker's L2 and the shared L3 views (``gateway.routing.tiers``) by the window rule across tiers.
+
+NOTE: the window rule is the engine's ``engine.kv.layout.usable_pages``; the gateway may not
+import ``engine.kv`` (its package imports torch; tests/test_layering.py), so this module keeps
+the one gateway copy (``_usable_pages`` and ``_usable_tiered``, both a backward scan), and
+tests/gateway/test_routing_tiers.py checks it against the engine's function.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
+
+from gateway.routing.tiers import FULL, SWA
 
 if TYPE_CHECKING:
     from gateway.routing.index import _Worker
+    from gateway.routing.tiers import StorageView
 
 
 class MatchResult(NamedTuple):
     """One worker's cached prefix of a queried hash chain, in pages.
 
     Attributes:
-        full_pages: pages [0, full_pages) have full KV on the worker.
-        usable_pages: the deepest window-safe resume point (<= full_pages).
+        full_pages: pages [0, full_pages) have full KV the worker can reach (its device, its
+            L2, the shared L3).
+        usable_pages: the deepest window-safe resume point (<= full_pages), across tiers.
+        host_pages: of the usable pages, those the worker would load from its L2 (their full
+            KV, or the SWA of a page in the window at the resume point, is there and not on the
+            device); 0 without L2 events.
+        storage_pages: of the usable pages, those it would fetch from L3 (reachable nowhere
+            cheaper); 0 without L3 events. The rest, ``usable - host - storage``, are device hits.
     """
 
     full_pages: int
     usable_pages: int
+    host_pages: int = 0
+    storage_pages: int = 0
 
 
 # NOTE: tuple.__new__ builds a MatchResult without the NamedTuple's Python-level __new__ (hot path)
 _result = tuple.__new__
-_NO_MATCH = MatchResult(0, 0)
+_NO_MATCH = MatchResult(0, 0, 0, 0)
 
 
 def match_all(
@@ -68,7 +85,7 @@ def match_all(
             w.last_end, w.last_end_hash = full, end
             if end in pages:
                 pages.move_to_end(end)  # NOTE: the match end counts as used
-            out[worker_id] = _result(MatchResult, (full, full))
+            out[worker_id] = _result(MatchResult, (full, full, 0, 0))
             hint = full
             continue
         result = match_one(w, page_hashes, now_s, hint)
@@ -97,19 +114,211 @@ def match_one(
     if end in pages:
         pages.move_to_end(end)  # NOTE: the match end counts as used
     if _window_live_at_end(w, end, full, now_s):
-        return _result(MatchResult, (full, full))
+        return _result(MatchResult, (full, full, 0, 0))
     k = w.window_pages
     predicted = 0
     if now_s is not None and w.pred_ckpts:
         predicted = _predicted_usable(w.pred_ckpts, page_hashes, full, now_s)
         if predicted == full:
-            return _result(MatchResult, (full, full))
+            return _result(MatchResult, (full, full, 0, 0))
     usable = 0
     if k is not None and (w.cover or w.swa or pred):
         # NOTE: predicted pages have live SWA only where the engine announces SWA per page
         live_pred = pred if w.per_page_swa else None
         usable = _usable_pages(w.cover, w.swa, k, page_hashes, full, live_pred, now_s)
-    return _result(MatchResult, (full, max(usable, predicted)))
+    return _result(MatchResult, (full, max(usable, predicted), 0, 0))
+
+
+def match_tiers(
+    workers: dict[str, _Worker], store: StorageView, page_hashes: Sequence[int],
+    now_s: float | None,
+) -> dict[str, MatchResult]:
+    """``match_all``, then each worker's match extended through its L2 view and the shared L3
+    one (``extend_match``): per worker with at least one page of ``page_hashes`` reachable."""
+    device = match_all(workers, page_hashes, now_s)
+    runs = _StorageRuns(store.full, page_hashes)
+    out = {}
+    # NOTE: a worker with nothing of the query on its device and an empty L2 gets the L3
+    # credit alone, the same for every such worker with the same window: computed once per k
+    shared: dict[int | None, MatchResult | None] = {}
+    for worker_id, w in workers.items():
+        m = device.get(worker_id)
+        if m is None and not w.host:
+            k = w.window_pages
+            if k not in shared:
+                shared[k] = extend_match(w, None, store, page_hashes, now_s, runs)
+            r = shared[k]
+        else:
+            r = extend_match(w, m, store, page_hashes, now_s, runs)
+        if r is not None:
+            out[worker_id] = r
+    return out
+
+
+def extend_match(
+    w: _Worker, m: MatchResult | None, store: StorageView, page_hashes: Sequence[int],
+    now_s: float | None, runs: _StorageRuns | None = None,
+) -> MatchResult | None:
+    """The device match ``m`` (None: nothing on the device) extended through the worker's L2
+    and the shared L3, by the window rule across tiers (``engine.kv.tier``): usable up to the
+    deepest page end p where full KV (any tier) covers [0, p) and SWA (any tier) covers
+    [p - k, p); never less than ``m.usable_pages``. Each usable page is credited to the
+    dearest tier it needs, taking the cheapest copy of each part (device < L2 < L3)::
+
+        pages          0    1    2    3    4    5        (k = 2)
+        full   device  x    x    x
+               L2                     x    x
+               L3                               x
+        SWA    device  x    x
+               L2                x         x
+               L3                               x
+        device alone: usable 2 (p = 3 needs SWA on page 2)
+        across tiers: usable 6 (SWA on pages 4, 5); pages 0..5 credited to
+                      dev dev dev L2 L2 L3 (page 3: full in L2, outside the window)
+        -> MatchResult(full_pages=6, usable_pages=6, host_pages=2, storage_pages=1)
+
+    ``m.usable_pages`` is a floor: device facts the scan does not see (checkpoint windows the
+    cap partly forgot, predicted checkpoints) stay credited, as device hits. Past the device
+    match only L2 and L3 count (a device page the cap left there is an under-report).
+
+    Cost: one L3 probe when L3 does not go on from the device match; an L3 run is walked once
+    per query (``runs``, shared by the workers); L2 pages one probe each.
+    """
+    device_full = 0 if m is None else m.full_pages
+    device_usable = 0 if m is None else m.usable_pages
+    if runs is None:
+        runs = _StorageRuns(store.full, page_hashes)
+    host = w.host.entries
+    full, host_ends = _extend_full(host, runs, page_hashes, device_full)
+    if full == 0:
+        return None
+    k = w.window_pages
+    pred = w.pred if now_s is not None and w.pred and w.per_page_swa else None
+    live = _device_swa(w, pred, now_s)
+    if k is None:
+        usable = device_usable  # NOTE: the window is not known: no credit beyond the device's
+    elif k == 0:
+        usable = full
+    else:
+        usable = _usable_tiered(live, host, store.swa, k, page_hashes, full, device_usable)
+    if usable <= device_usable:
+        return _result(MatchResult, (full, device_usable, 0, 0))
+    # NOTE: full KV of [device_full, usable) comes from L2 where host_ends says, else L3
+    num_host = sum(min(e, usable) - s for s, e in host_ends if s < usable)
+    num_storage = max(0, usable - device_full) - num_host
+    lo = usable - k if k and usable > k else 0
+    for i in range(lo if k else usable, usable):  # NOTE: the window's pages need SWA too
+        h = page_hashes[i]
+        if live(h):
+            continue
+        on_host = i >= device_full and host.get(h, 0) & FULL
+        if host.get(h, 0) & SWA:
+            if i < device_full:
+                num_host += 1  # NOTE: device full KV, its SWA from L2
+        elif i < device_full:
+            num_storage += 1  # NOTE: device full KV, its SWA from L3
+        elif on_host:
+            num_host -= 1  # NOTE: full KV in L2, its SWA only in L3
+            num_storage += 1
+    return _result(MatchResult, (full, usable, num_host, num_storage))
+
+
+class _StorageRuns:
+    """Where the run of L3 pages starting at each page of one query ends, walked on demand
+    and shared by every worker matched against that query."""
+
+    __slots__ = ("full", "page_hashes", "ends")
+
+    def __init__(self, full: dict[int, float], page_hashes: Sequence[int]) -> None:
+        self.full, self.page_hashes = full, page_hashes
+        self.ends: dict[int, int] = {}
+
+    def end(self, i: int) -> int:
+        """The first page at or after ``i`` whose full KV L3 does not hold."""
+        end = self.ends.get(i)
+        if end is not None:
+            return end
+        full, ph, n = self.full, self.page_hashes, len(self.page_hashes)
+        end = i
+        while end < n and ph[end] in full:
+            end += 1
+        for j in range(i, end + 1):
+            self.ends[j] = end  # NOTE: every start inside the run ends there too
+        return end
+
+
+def _extend_full(
+    host: dict[int, int], runs: _StorageRuns, page_hashes: Sequence[int], start: int
+) -> tuple[int, list[tuple[int, int]]]:
+    """(the end of the full-KV chain from page ``start`` through L2 and L3, the [s, e) spans
+    of it credited to L2: there, else in L3)."""
+    n = len(page_hashes)
+    full = start
+    spans: list[tuple[int, int]] = []
+    if not host:
+        return runs.end(start), spans
+    while full < n:
+        if host.get(page_hashes[full], 0) & FULL:
+            s = full
+            full += 1
+            while full < n and host.get(page_hashes[full], 0) & FULL:
+                full += 1
+            spans.append((s, full))
+        else:
+            end = runs.end(full)
+            if end == full:
+                break
+            # NOTE: L2 is cheaper where it holds a page of this L3 run
+            spans.extend(_host_spans(host, page_hashes, full, end))
+            full = end
+    return full, spans
+
+
+def _host_spans(host: dict[int, int], page_hashes: Sequence[int], lo: int, hi: int
+                ) -> list[tuple[int, int]]:
+    """The [s, e) spans of pages in [lo, hi) whose full KV L2 holds."""
+    out, s = [], None
+    for i in range(lo, hi):
+        if host.get(page_hashes[i], 0) & FULL:
+            if s is None:
+                s = i
+        elif s is not None:
+            out.append((s, i))
+            s = None
+    if s is not None:
+        out.append((s, hi))
+    return out
+
+
+def _device_swa(
+    w: _Worker, pred: dict[int, float] | None, now_s: float | None
+) -> Callable[[int], bool]:
+    """Whether a page's SWA is live on the device: announced per page, inside a live
+    checkpoint's window, or (``pred``) predicted until after ``now_s``."""
+    swa, cover = w.swa, w.cover
+    if pred is None:
+        return lambda h: h in swa or h in cover
+    return lambda h: h in swa or h in cover or pred.get(h, 0.0) > now_s  # type: ignore[operator]
+
+
+def _usable_tiered(
+    live: Callable[[int], bool], host: dict[int, int], storage_swa: dict[int, float], k: int,
+    page_hashes: Sequence[int], full: int, floor: int,
+) -> int:
+    """``_usable_pages`` with SWA from any tier (device ``live``, L2 bit, L3 entry), down to
+    ``floor`` (a known resume point: the scan stops there)."""
+    p = full
+    while p > floor:
+        need = min(k, p)
+        j = p - 1
+        while j >= p - need and (
+            live(h := page_hashes[j]) or host.get(h, 0) & SWA or h in storage_swa
+        ):
+            j -= 1
+        if j < p - need:
+            return p
+        p = j
+    return floor
 
 
 def _window_live_at_end(w: _Worker, end: int, full: int, now_s: float | None) -> bool:

@@ -1,9 +1,11 @@
 """``AgentgateRouter``: window-safe prefix credit, predicted time to first token, sticky until
 saturated, and optimistic entries for bursts.
 
-For each candidate worker ``w`` and request ``r``::
+For each candidate worker ``w`` and request ``r``, with ``m = index.match(r.page_hashes)[w]``::
 
-    cached_w  = index.match(r.page_hashes)[w].usable_pages * page_size    (never full_pages)
+    cached_w  = (m.usable_pages                                          (never full_pages)
+                 - (1 - host_credit) * m.host_pages                      (loaded from its L2)
+                 - (1 - storage_credit) * m.storage_pages) * page_size   (fetched from L3)
     ttft_w    = cost.predict_ttft_s(w's CostModel, its in-flight prefill and decodes, r's
                                     uncached = num_tokens - cached_w)
     score_w   = ttft_w + work_weight * prefill_work_s(r's uncached on w)
@@ -25,6 +27,12 @@ on the candidate with the most credit, when that credit covers at least that fra
 prompt (the prefix owner: llm-d's affinity, released at saturation). ``history_credit`` (default
 0) also credits that fraction of the full-KV pages past the window-safe point: a bet on SWA
 history the engine keeps while memory allows, which the events do not show.
+
+Tier credit: a usable page the worker must load from a tier below its device counts as a
+fraction of a device hit (``host_credit``, ``storage_credit``; see their defaults), so with equal
+load a worker holding the prefix on its device beats one holding it in host memory, which beats
+one that can only fetch it from the shared store, which beats one that must recompute it. The
+discounted figure is the ``cached_tokens`` of the ``Decision`` (admission's "uncached" work).
 
 Optimistic entries: on ``dispatched`` the request's pages go into the index's side table on its
 worker for ``optimistic_ttl_s`` seconds (``KVIndex.predict``), with two predicted resume points
@@ -67,6 +75,17 @@ DEFAULT_TIE_STEPS = 1.0
 # past 8 the hits no longer pay for the queueing. At 1M tokens a worker, 1 -> 12 took hit
 # 31.2 -> 32.3 % and the mean 0.568 -> 0.566 s; the agent workload is unchanged (its turns
 # follow their session). prefix_affinity 0.3 came from the same trace.
+# NOTE: tier credit, from load costs (per token, relative to recomputing it: 1 = free). An L2
+# hit is a host -> device copy over PCIe (~25-50 GB/s, overlapped layer by layer with compute;
+# a 16-token page of a hybrid model's KV is ~0.1-1 MB, so tens of us a page against ms of
+# prefill), plus the device pages it needs (eviction) and the chance that L2 evicts it before
+# the request lands: worth about half a device hit. An L3 hit adds a network fetch (Redis or a
+# shared file: ~1-10 GB/s and a round trip, during which the request waits in the queue) and a
+# belief the router cannot refresh (L3 never reports removals; entries age out by a TTL): a
+# quarter. Both stay far above 0, since both are far cheaper than recompute, and below each
+# other, so the order device > host > storage > nothing holds at equal load.
+DEFAULT_HOST_CREDIT = 0.5
+DEFAULT_STORAGE_CREDIT = 0.25
 DEFAULT_MAX_AFFINITY_KEYS = 100_000
 DEFAULT_MAX_BATCHED_TOKENS = 512
 
@@ -82,11 +101,12 @@ _DEFAULT_CONSTS = _Consts(CostModel(), DEFAULT_MAX_BATCHED_TOKENS)
 @dataclass(slots=True)
 class _Estimate:
     worker_id: str
-    cached_tokens: int
+    cached_tokens: int  # NOTE: tier-discounted credit (what the worker's work is counted as)
     full_tokens: int
     ttft_s: float
     score: float
     qk_pairs: int
+    tier_tokens: int = 0  # NOTE: the tier discount taken off cached_tokens (usable = the sum)
 
 
 # (worker, its match, window-safe cached tokens, predicted TTFT s, qk pairs of the prefill)
@@ -126,6 +146,9 @@ class AgentgateRouter:
         tie_steps: scores within this many step overheads of the best one tie (then fewest
             in flight, then round robin); also the least a prefix must save to make its owner
             sticky under ``prefix_affinity``.
+        host_credit, storage_credit: what a usable page counts for when the worker must load
+            it from its host memory (L2) / the shared store (L3), as a fraction of a device
+            hit (1 >= host_credit >= storage_credit >= 0; defaults in the NOTE above them).
         lock: held around index reads and writes (``KVEventSubscriber.lock``).
     """
 
@@ -143,12 +166,17 @@ class AgentgateRouter:
         history_credit: float = 0.0,
         prefix_affinity: float = DEFAULT_PREFIX_AFFINITY,
         tie_steps: float = DEFAULT_TIE_STEPS,
+        host_credit: float = DEFAULT_HOST_CREDIT,
+        storage_credit: float = DEFAULT_STORAGE_CREDIT,
         lock: contextlib.AbstractContextManager | None = None,
     ) -> None:
         if margin_s < 0 or margin_ratio < 1 or optimistic_ttl_s < 0 or work_weight < 0:
             raise ValueError(f"margin_s={margin_s} (>= 0), margin_ratio={margin_ratio} (>= 1), "
                              f"optimistic_ttl_s={optimistic_ttl_s} (>= 0), "
                              f"work_weight={work_weight} (>= 0)")
+        if not 1 >= host_credit >= storage_credit >= 0:
+            raise ValueError(f"host_credit={host_credit}, storage_credit={storage_credit}: "
+                             "need 1 >= host_credit >= storage_credit >= 0")
         self.index = index
         self.page_size = index.page_size
         self.margin_s, self.margin_ratio = margin_s, margin_ratio
@@ -157,6 +185,9 @@ class AgentgateRouter:
         self.history_credit = history_credit
         self.prefix_affinity = prefix_affinity
         self.tie_steps = tie_steps
+        # NOTE: what a page loaded from L2 / L3 is short of a device hit, in pages
+        self._tier_discount = (1.0 - host_credit, 1.0 - storage_credit)
+        self.host_credit, self.storage_credit = host_credit, storage_credit
         self.load = LoadTracker()
         self._lock = lock if lock is not None else contextlib.nullcontext()
         self._workers: dict[str, WorkerInfo] = {}
@@ -234,7 +265,8 @@ class AgentgateRouter:
                 reason = "moved_for_load"
         w, m, cached, ttft, qk = chosen
         full = 0 if m is None else m.full_pages * self.page_size
-        chosen = _Estimate(w, max(0, cached), full, ttft, 0.0, qk)
+        tier = 0 if m is None else _tier_discount_tokens(m, self._tier_discount, self.page_size)
+        chosen = _Estimate(w, max(0, cached), full, ttft, 0.0, qk, tier)
         self._rr = self._order.get(chosen.worker_id, self._rr) + 1
         self._remember_route(req.request_id, chosen)
         return Decision(chosen.worker_id, chosen.cached_tokens, reason, chosen.ttft_s)
@@ -309,13 +341,15 @@ class AgentgateRouter:
         memo: dict[tuple[int, int, int, int, int], tuple[float, int, float]] = {}
         consts, wls, ww = self._consts, self._wl, self.work_weight
         hc, p, num_tokens = self.history_credit, self.page_size, req.num_tokens
-        last, steps = num_tokens - 1, self.tie_steps
+        last, steps, discount = num_tokens - 1, self.tie_steps, self._tier_discount
         for w in candidates:
             m = matches.get(w)
             c = consts.get(w, _DEFAULT_CONSTS)
             scored = cached = 0
             if m is not None:
                 cached = (m[1] if hc == 0 else _credit_pages(m, hc)) * p
+                if m[2] or m[3]:
+                    cached -= _tier_discount_tokens(m, discount, p)
                 if cached > last:
                     cached = last  # NOTE: the last prompt token is always computed
                 # NOTE: a credit that saves no more than tie_steps step overheads is noise and
@@ -371,12 +405,15 @@ class AgentgateRouter:
         """``route``'s figures for one worker (for a request sent somewhere ``route`` did not
         pick)."""
         c = self._consts.get(worker_id, _DEFAULT_CONSTS)
-        cached = 0 if m is None else min(_credit_pages(m, self.history_credit) * self.page_size,
-                                         req.num_tokens - 1)
+        cached = 0 if m is None else min(
+            _credit_pages(m, self.history_credit) * self.page_size
+            - _tier_discount_tokens(m, self._tier_discount, self.page_size),
+            req.num_tokens - 1)
         wl = self._wl.get(worker_id, _IDLE)
         ttft, qk, score = self._figures(c, cached, req.num_tokens, wl, self.work_weight)
         full = 0 if m is None else m.full_pages * self.page_size
-        return _Estimate(worker_id, max(0, cached), full, ttft, score, qk)
+        tier = 0 if m is None else _tier_discount_tokens(m, self._tier_discount, self.page_size)
+        return _Estimate(worker_id, max(0, cached), full, ttft, score, qk, tier)
 
     def _keeps(self, mine_s: float, best_s: float) -> bool:
         """Whether the sticky worker's TTFT is within either margin of the best one's."""
@@ -430,7 +467,7 @@ class AgentgateRouter:
         n = len(req.page_hashes)
         raw = min(n, est.full_tokens // p)  # NOTE: confirmed or predicted: the engine's raw match
         ends = [n]
-        if est.cached_tokens // p < raw < n:
+        if (est.cached_tokens + est.tier_tokens) // p < raw < n:
             ends.append(raw)  # NOTE: an observed branch point (module docstring)
         with self._lock:
             # NOTE: pages already confirmed need no entry (a 100k-token turn adds only its delta)
@@ -444,6 +481,13 @@ def _credit_pages(m: MatchResult, history_credit: float) -> int:
     if history_credit == 0 or m.full_pages == m.usable_pages:
         return m.usable_pages
     return m.usable_pages + int(history_credit * (m.full_pages - m.usable_pages))
+
+
+def _tier_discount_tokens(m: MatchResult, discount: tuple[float, float], page_size: int) -> int:
+    """The tokens a match's lower-tier pages fall short of device hits (0 without them)."""
+    if not (m.host_pages or m.storage_pages):
+        return 0
+    return int((discount[0] * m.host_pages + discount[1] * m.storage_pages) * page_size)
 
 
 def _own_prefill(c: _Consts, cached_tokens: int, num_tokens: int) -> tuple[int, int, float]:

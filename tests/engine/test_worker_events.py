@@ -11,13 +11,17 @@ from engine.hashing import page_hashes
 from engine.kv.prefix_cache import CacheEvent
 from engine.protocol import Abort, Flush, GetLoad, LoadReport
 from engine.worker.events import (
+    MEDIUM_CPU,
+    MEDIUM_GCACHE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    KVEventBatch,
     SwaBlocksDropped,
     SwaBlocksStored,
     SwaCheckpointDropped,
     SwaCheckpointStored,
+    encode_batch,
 )
 from engine.worker.publisher import KVEventBuffer
 from tests.engine.worker_harness import (
@@ -134,3 +138,50 @@ def test_pages_stored_with_their_swa_are_followed_by_swa_blocks_stored() -> None
         SwaBlocksDropped(block_hashes=[1, 3]),
         SwaBlocksStored(block_hashes=[1], window=4),
     ]
+
+
+def test_kv_event_buffer_carries_the_medium_and_merges_only_within_one() -> None:
+    """L2 ("CPU") and L3 ("GCACHE") events keep their medium; a run never spans two media
+    (a page in host memory is not one on the device), even where the pages chain."""
+    buf = KVEventBuffer(page_size=2, window=4)
+    for ev in [
+        CacheEvent("stored", 1, None, (1, 2), swa=True),
+        CacheEvent("stored", 2, 1, (3, 4), medium=MEDIUM_CPU),  # chains, but another medium
+        CacheEvent("stored", 3, 2, (5, 6), swa=True, medium=MEDIUM_CPU),
+        CacheEvent("swa_stored", 2, medium=MEDIUM_CPU),
+        CacheEvent("swa_stored", 2, medium=MEDIUM_GCACHE),
+        CacheEvent("removed", 3, medium=MEDIUM_CPU), CacheEvent("removed", 1),
+    ]:
+        buf.add(ev)
+    assert buf.drain() == [
+        BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1, 2], block_size=2),
+        SwaBlocksStored(block_hashes=[1], window=4),
+        BlockStored(block_hashes=[2, 3], parent_block_hash=1, token_ids=[3, 4, 5, 6],
+                    block_size=2, medium=MEDIUM_CPU),
+        SwaBlocksStored(block_hashes=[3], window=4, medium=MEDIUM_CPU),
+        SwaBlocksStored(block_hashes=[2], window=4, medium=MEDIUM_CPU),
+        SwaBlocksStored(block_hashes=[2], window=4, medium=MEDIUM_GCACHE),
+        BlockRemoved(block_hashes=[3], medium=MEDIUM_CPU),
+        BlockRemoved(block_hashes=[1]),
+    ]
+
+
+def test_kv_event_buffer_gpu_events_are_byte_identical_to_the_default_medium() -> None:
+    """Device events encode exactly as before the medium was carried (medium "GPU", the
+    structs' default), so foreign consumers see no change."""
+    buf = KVEventBuffer(page_size=2, window=4)
+    for ev in [
+        CacheEvent("stored", 1, None, (1, 2), swa=True), CacheEvent("ckpt_stored", 1),
+        CacheEvent("swa_dropped", 1), CacheEvent("ckpt_dropped", 1), CacheEvent("removed", 1),
+    ]:
+        buf.add(ev)
+    expected = [
+        BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1, 2], block_size=2),
+        SwaBlocksStored(block_hashes=[1], window=4),
+        SwaCheckpointStored(block_hashes=[1], window=4),
+        SwaBlocksDropped(block_hashes=[1]),
+        SwaCheckpointDropped(block_hashes=[1]),
+        BlockRemoved(block_hashes=[1]),
+    ]
+    got = encode_batch(KVEventBatch(ts=1.0, events=buf.drain()))
+    assert got == encode_batch(KVEventBatch(ts=1.0, events=expected))
