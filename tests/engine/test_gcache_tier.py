@@ -4,7 +4,6 @@ hibernation, tenant isolation, a store outage read as a miss, and KV events with
 
 from __future__ import annotations
 
-import itertools
 import random
 import shutil
 import tempfile
@@ -326,6 +325,8 @@ class GCacheMachine(TierMachine):
     page is lost (every page L2 evicted is in L3 once the writes drain) and none is stale (every
     page, in every tier, holds its own KV)."""
 
+    sig = staticmethod(_sig24)  # NOTE: float pages (the L3 format stores float pages)
+
     def __init__(self) -> None:
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="gcache-sm-")
@@ -438,30 +439,6 @@ class GCacheMachine(TierMachine):
             page = decode_page(value, page_shape(self.pool.layout, kind), torch.float32)
             assert page is not None and bool((page == _sig24(h, kind)).all()), (
                 f"L3 {kind.name} page of {h} is stale")
-
-    # NOTE: float signatures (the parent's are int32): override the fill and the check
-    def _compute(self, seq: Sequence, n: int) -> None:
-        n = min(n, seq.num_tokens - seq.num_computed)
-        if n <= 0 or not self.kv.can_reserve(seq, n):
-            return
-        self.kv.reserve(seq, n)
-        first = len(seq.path)
-        for j, (full, swa) in enumerate(itertools.zip_longest(seq.pending_full, seq.pending_swa)):
-            i = first + j
-            if i < len(seq.page_hashes):
-                h = seq.page_hashes[i]
-                self.pool.page(FULL, full).fill_(_sig24(h, FULL))
-                self.pool.page(SWA, swa).fill_(_sig24(h, SWA))
-                parent = seq.page_hashes[i - 1] if i else None
-                self.truth[h] = (parent, seq.prompt_ids[i * PAGE : (i + 1) * PAGE])
-        self.kv.commit(seq, n)
-
-    @staticmethod
-    def _assert_page(page: torch.Tensor, page_hash: int, kind: PageKind, tier: str) -> None:
-        want = _sig24(page_hash, kind)
-        assert bool((page == want).all()), (
-            f"{tier} {kind.name} page of {page_hash} holds {page.flatten()[:4].tolist()}, "
-            f"want {want}")
 
 
 GCacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,

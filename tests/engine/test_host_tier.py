@@ -283,6 +283,8 @@ class TierMachine(RuleBasedStateMachine):
     """The engine's protocol (admit, reserve, commit, release) on a KVManager whose cache demotes
     into a HostTier; every computed page is filled with a signature of its hash and kind."""
 
+    sig = staticmethod(_sig)  # NOTE: a page's fill; a subclass with float pages changes it
+
     def __init__(self) -> None:
         super().__init__()
         self.kv: KVManager | None = None
@@ -416,8 +418,8 @@ class TierMachine(RuleBasedStateMachine):
             i = first + j
             if i < len(seq.page_hashes):
                 h = seq.page_hashes[i]
-                self.pool.page(FULL, full).fill_(_sig(h, FULL))
-                self.pool.page(SWA, swa).fill_(_sig(h, SWA))
+                self.pool.page(FULL, full).fill_(self.sig(h, FULL))
+                self.pool.page(SWA, swa).fill_(self.sig(h, SWA))
                 parent = seq.page_hashes[i - 1] if i else None
                 self.truth[h] = (parent, seq.prompt_ids[i * PAGE : (i + 1) * PAGE])
         self.kv.commit(seq, n)
@@ -431,9 +433,8 @@ class TierMachine(RuleBasedStateMachine):
         for n in seq.path[-k:]:
             assert n.swa_page is not None, f"usable end {len(seq.path)} without its window"
 
-    @staticmethod
-    def _assert_page(page: torch.Tensor, page_hash: int, kind: PageKind, tier: str) -> None:
-        want = _sig(page_hash, kind)
+    def _assert_page(self, page: torch.Tensor, page_hash: int, kind: PageKind, tier: str) -> None:
+        want = self.sig(page_hash, kind)
         assert bool((page == want).all()), (
             f"{tier} {kind.name} page of {page_hash} holds {page.flatten()[:4].tolist()}, "
             f"want {want}"
