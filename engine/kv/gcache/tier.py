@@ -2,7 +2,8 @@
 (DESIGN.md "Tiers", issue 12).
 
     writes   write-through: a finished request's path (full pages it lacks in L3, and the SWA
-             window ending at its checkpoint), copied to host on the step loop, encoded and put
+             window ending at its checkpoint), gathered on the step loop in one copy per layer
+             kind (on CUDA queued to pinned host memory, never waited for there), encoded and put
              on the writer thread; write-back: what L2 evicts and L3 lacks. A full queue drops
              the write and counts it.
     reads    a prefetch when a request is queued (``start_fetch``): the fetcher thread gets the
@@ -133,6 +134,7 @@ class GCacheTier:
         full); True when it was queued or nothing was missing."""
         self.poll()
         todo: list[tuple[PageRef, PageKind, torch.Tensor | None]] = []
+        ids: dict[PageKind, list[tuple[int, int]]] = {kind: [] for kind in PageKind}
         first_swa = len(path) - window_pages if self.has_swa else len(path)
         for i, node in enumerate(path):
             parent = node.parent.page_hash if node.parent is not None else None
@@ -142,8 +144,17 @@ class GCacheTier:
                 kinds.append((PageKind.SWA, node.swa_page))
             for kind, page_id in kinds:
                 if self._wanted(node.page_hash, kind):
-                    todo.append((ref, kind, self._snapshot_device(kind, page_id)))
-        return self._submit(todo)
+                    if page_id is not None:
+                        ids[kind].append((len(todo), page_id))
+                    todo.append((ref, kind, None))
+        ready = None
+        if self.device_pool is not None:
+            for kind, pairs in ids.items():
+                if pairs:
+                    batch, ready = self._snapshot_device(kind, [page for _, page in pairs])
+                    for j, (at, _) in enumerate(pairs):
+                        todo[at] = (todo[at][0], kind, batch[j])
+        return self._submit(todo, ready)
 
     def has_path(self, path: Sequence[Node], window_pages: int) -> bool:
         """Whether every page ``write_path`` would write is confirmed in the store."""
@@ -173,24 +184,42 @@ class GCacheTier:
             return False
         return key not in self._inflight
 
-    def _snapshot_device(self, kind: PageKind, page_id: int | None) -> torch.Tensor | None:
-        if self.device_pool is None or page_id is None:
-            return None
-        # NOTE: a copy now: the page may be freed and reused before the writer encodes it
-        return self.device_pool.page(kind, page_id).to("cpu", copy=True)  # type: ignore[attr-defined]
+    def _snapshot_device(
+        self, kind: PageKind, page_ids: list[int]
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """These device pages, copied now (they may be freed and reused before the writer
+        encodes them) in one gather: [len(page_ids), *page shape] on the host. On CUDA the copy
+        to host is queued (pinned memory) and the event says when it is done; the step loop
+        never waits for it (the writer does)."""
+        per = self.layout.slots_per_chunk(kind)
+        view = self.device_pool.view(kind)  # type: ignore[attr-defined]
+        idx = torch.tensor(page_ids, dtype=torch.long, device=view.device)
+        batch = view[idx // per, idx % per]  # NOTE: advanced indexing: a fresh tensor
+        if batch.device.type != "cuda":
+            return batch, None
+        host = torch.empty(batch.shape, dtype=batch.dtype, pin_memory=True)
+        host.copy_(batch, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
 
-    def _submit(self, todo: list[tuple[PageRef, PageKind, torch.Tensor | None]]) -> bool:
+    def _submit(self, todo: list[tuple[PageRef, PageKind, torch.Tensor | None]],
+                ready: torch.cuda.Event | None = None) -> bool:
+        """Queue ``todo`` for the writer (after ``ready``, the host copies' event, if any)."""
         if not todo:
             return True
         keys = [(ref[0], kind) for ref, kind, _ in todo]
-        if not self.writer.submit(lambda: self._write_job(todo)):
+        if not self.writer.submit(lambda: self._write_job(todo, ready)):
             self.stats.write_dropped += 1
             return False
         self._inflight.update(keys)
         return True
 
-    def _write_job(self, todo: list[tuple[PageRef, PageKind, torch.Tensor | None]]) -> list:
+    def _write_job(self, todo: list[tuple[PageRef, PageKind, torch.Tensor | None]],
+                   ready: torch.cuda.Event | None = None) -> list:
         """On the writer's thread: encode and put; report which pages the store confirmed."""
+        if ready is not None:
+            ready.synchronize()
         items = [(self._key(ref[0], kind), self._encode(t)) for ref, kind, t in todo]
         st = self.store.stats
         before = st.errors, st.skipped_too_large
