@@ -67,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
 
 
+def default_gcache_dir() -> str:
+    """Where ``--gcache`` without a spec keeps its file store (beside the demo model)."""
+    return os.path.join(os.path.expanduser("~"), ".cache", "agentgate", "gcache")
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> list[argparse.Action]:
     """The flags that shape the engine, not the worker's endpoints; also offered (and forwarded)
     by ``agentgate serve``. ``parser`` may be an argument group. Returns the added actions."""
@@ -77,8 +82,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> list[argparse
         add("--host-kv-budget-mb", type=int,
             help="host-memory KV tier (L2) in MiB: evicted pages a later hit needs are kept "
                  "there (default 0: none)"),
-        add("--gcache", metavar="SPEC",
-            help="L3 KV store shared by workers: file:DIR[?max_bytes=N], "
+        add("--gcache", metavar="SPEC", nargs="?", const=f"file:{default_gcache_dir()}",
+            help="L3 KV store shared by workers: file:DIR[?max_bytes=N] (--gcache alone: "
+                 "file:~/.cache/agentgate/gcache, 16 GiB at most), "
                  "redis://[[user]:password@]host:port/db[?ttl_s=S&timeout_s=S], rediss://..., "
                  "redis+cluster://host:port,host:port,...; finished requests are written "
                  "through, L2 evictions written back, queued requests prefetch from it "

@@ -472,3 +472,7 @@ def test_gcache_flags_reach_the_engine_config_and_serve_forwards_them() -> None:
     env = engine_config(parser.parse_args([*endpoints, "--backend", "sim"]),
                         env={"AGENTGATE_GCACHE": "file:/tmp/x", "AGENTGATE_GCACHE_WAIT_S": "1.5"})
     assert (env.gcache, env.gcache_wait_s) == ("file:/tmp/x", 1.5)
+    # NOTE: --gcache alone is the embedded default, a file store in the user's cache directory
+    bare = parser.parse_args([*endpoints, "--backend", "sim", "--gcache", "--gcache-wait-s", "1"])
+    assert bare.gcache == f"file:{Path.home() / '.cache' / 'agentgate' / 'gcache'}", bare.gcache
+    assert engine_argv(bare)[:2] == ["--gcache", bare.gcache]
