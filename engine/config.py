@@ -35,7 +35,7 @@ class EngineConfig:
             hit-rate`` (issue 9): it meets the targets on both Mooncake traces, where 2048 and
             4096 cost the conversation trace at 1M tokens (README, Benchmarks).
         gcache: the L3 KV store shared by workers (``engine.kv.gcache.open_store``):
-            ``file:DIR``, ``redis://...``, ``redis+cluster://...``; None: no L3. Finished
+            ``file:DIR``, ``redis://...``, ``redis+cluster://...``; None (or "off"): no L3. Finished
             requests are written through to it, L2 evictions written back, and a queued request
             prefetches what its prompt lacks locally into L2. Needs an L2: without
             ``host_kv_budget_bytes`` one as large as ``kv_budget_bytes`` is made.
@@ -94,6 +94,8 @@ class EngineConfig:
         assert self.layerwise_load in ("auto", "on", "off"), (
             f"layerwise_load={self.layerwise_load!r}: auto, on or off"
         )
+        if self.gcache is not None and self.gcache.strip().lower() in ("", "off", "none"):
+            object.__setattr__(self, "gcache", None)  # NOTE: "off" turns serve's default off
         if self.hibernate_after_s and not self.gcache:
             raise ValueError("hibernate_after_s needs gcache: sessions hibernate to L3")
 

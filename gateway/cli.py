@@ -165,7 +165,7 @@ def serve_kwargs(args: argparse.Namespace, env: Mapping[str, str] | None = None
                  ) -> dict[str, Any]:
     """``gateway.serve.serve``'s arguments from ``agentgate serve``'s flags and ``env`` (the
     process environment by default: the one place the gateway's variables are read)."""
-    from engine.worker.cli import engine_argv
+    from engine.worker.cli import default_gcache_dir, engine_argv
     from engine.worker.curve import load_client_keys
     from gateway.api_keys import load_api_keys
     from gateway.http_server import HttpLimits
@@ -189,7 +189,11 @@ def serve_kwargs(args: argparse.Namespace, env: Mapping[str, str] | None = None
         "model_dir": model_dir, "num_workers": num_workers, "attach": args.worker,
         "host": args.host, "port": args.port, "backend": args.backend, "redis_url": args.redis,
         "gateway_procs": args.gateway_procs,
-        "worker_args": [*engine_argv(args), *worker_curve],
+        "worker_args": [*engine_argv(args), *worker_curve, *(
+            # NOTE: the embedded default (DESIGN.md): the workers serve spawns share a file
+            # GCache unless a flag or AGENTGATE_GCACHE (which they inherit) says otherwise
+            ["--gcache", f"file:{default_gcache_dir()}"]
+            if args.gcache is None and not env.get("AGENTGATE_GCACHE") else [])],
         "limits": HttpLimits(
             header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
             max_connections=args.max_connections, drain_timeout_s=args.drain_timeout,

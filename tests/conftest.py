@@ -20,6 +20,10 @@ REDIS_START_TIMEOUT_S = 10.0
 # set before anything imports torch; subprocesses (worker, CLI) inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+# NOTE: `agentgate serve` shares a file GCache under ~/.cache by default; tests that spawn it
+# must neither write into the user's home nor find a page an earlier run left there (a cold
+# prompt would hit). Tests that want L3 pass --gcache or their own AGENTGATE_GCACHE.
+os.environ.setdefault("AGENTGATE_GCACHE", "off")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -83,13 +83,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> list[argparse
             help="host-memory KV tier (L2) in MiB: evicted pages a later hit needs are kept "
                  "there (default 0: none)"),
         add("--gcache", metavar="SPEC", nargs="?", const=f"file:{default_gcache_dir()}",
-            help="L3 KV store shared by workers: file:DIR[?max_bytes=N] (--gcache alone: "
-                 "file:~/.cache/agentgate/gcache, 16 GiB at most), "
+            help="L3 KV store shared by workers: off, file:DIR[?max_bytes=N] (--gcache "
+                 "alone: file:~/.cache/agentgate/gcache, 16 GiB at most), "
                  "redis://[[user]:password@]host:port/db[?ttl_s=S&timeout_s=S], rediss://..., "
                  "redis+cluster://host:port,host:port,...; finished requests are written "
                  "through, L2 evictions written back, queued requests prefetch from it "
-                 "(default: none; a password is better given as AGENTGATE_GCACHE than on a "
-                 "command line)"),
+                 "(default: off for `agentgate worker`, the file store for `agentgate "
+                 "serve`; a password is better given as AGENTGATE_GCACHE than on a command "
+                 "line)"),
         add("--gcache-wait-s", type=float,
             help="longest a queued request waits for its L3 prefetch (default 0.5)"),
         add("--hibernate-after-s", type=float,

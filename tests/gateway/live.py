@@ -97,7 +97,8 @@ def spawn_serve(
         "--host", "127.0.0.1", "--port", str(port), *args,
     ]
     # NOTE: a fixed tenant secret, so that tests never create one under the user's ~/.config
-    env = {**os.environ, "AGENTGATE_TENANT_SECRET": TEST_TENANT_SECRET}
+    # (and no GCache: tests/conftest.py); popen's env adds to or overrides these
+    env = {**os.environ, "AGENTGATE_TENANT_SECRET": TEST_TENANT_SECRET, **popen.pop("env", {})}
     return subprocess.Popen(cmd, stderr=subprocess.STDOUT, env=env, **popen)
 
 

@@ -55,13 +55,15 @@ class ServeProc:
 
 
 @contextlib.contextmanager
-def serve_proc(model_dir: Path, tmp_path: Path, *args: str) -> Iterator[ServeProc]:
+def serve_proc(model_dir: Path, tmp_path: Path, *args: str,
+               env: dict[str, str] | None = None) -> Iterator[ServeProc]:
     """``agentgate serve --backend sim --model model_dir ARGS`` on a free port, ready; killed
-    with its workers at the end whatever the test did."""
+    with its workers at the end whatever the test did. ``env`` adds to its environment."""
     port = free_port()
     log_path = tmp_path / f"serve-{port}.log"
     with log_path.open("wb") as log:
-        proc = spawn_serve(model_dir, port, "--served-model-name", "m", *args, stdout=log)
+        proc = spawn_serve(model_dir, port, "--served-model-name", "m", *args, stdout=log,
+                           env=env or {})
     serve = ServeProc(proc, port, log_path)
     pids: set[int] = set()
     try:

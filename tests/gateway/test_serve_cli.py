@@ -21,7 +21,7 @@ from gateway.cli import _build_parser, serve_kwargs
 from gateway.supervisor import RESTART_INITIAL_S, RESTART_MAX_S, restart_delay_s
 from gateway.tenant_secret import SECRET_BYTES, TenantSecretError, load_tenant_secret
 from tests.gateway.live import free_port
-from tests.gateway.serve_proc import proc_state, serve_proc, wait_until
+from tests.gateway.serve_proc import post_json, proc_state, serve_proc, wait_until
 
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ \[(gateway|worker w\d)\] "
                       r"[\w.]+: ")
@@ -38,7 +38,7 @@ def test_flags_reach_the_gateway_config(sim_model_dir: Path, tmp_path: Path) -> 
                   "--cors-origin", "https://x.example", "--tenant-secret-file",
                   str(tmp_path / "s"), "--header-timeout", "3", "--body-timeout", "4",
                   "--max-connections", "7", "--drain-timeout", "0")
-    kwargs = serve_kwargs(args, env={})
+    kwargs = serve_kwargs(args, env={"AGENTGATE_GCACHE": "off"})
     options = kwargs["gateway_options"]
     assert options["first_token_timeout_s"] == 5.0 and options["idle_timeout_s"] == 2.5
     assert options["served_model_names"] == ("a", "b")
@@ -54,9 +54,58 @@ def test_worker_flags_are_forwarded_only_when_set(sim_model_dir: Path, tmp_path:
     args = _parse("--model", str(sim_model_dir), "--cost", "h200", "--kv-budget-mb", "64",
                   "--page-size", "32", "--max-batched-tokens", "256", "--no-prefix-cache",
                   "--tenant-secret-file", str(tmp_path / "s"))
-    argv = serve_kwargs(args, env={})["worker_args"]
+    argv = serve_kwargs(args, env={"AGENTGATE_GCACHE": "off"})["worker_args"]
     assert argv == ["--page-size", "32", "--kv-budget-mb", "64", "--max-batched-tokens", "256",
                     "--no-prefix-cache", "--cost", "h200"], argv
+
+
+def test_serve_shares_a_file_gcache_by_default(sim_model_dir: Path, tmp_path: Path) -> None:
+    base = ("--model", str(sim_model_dir), "--tenant-secret-file", str(tmp_path / "s"))
+    default = ["--gcache", f"file:{Path.home() / '.cache' / 'agentgate' / 'gcache'}"]
+    assert serve_kwargs(_parse(*base), env={})["worker_args"] == default
+    # NOTE: the workers inherit AGENTGATE_GCACHE, so serve adds nothing when it is set
+    assert serve_kwargs(_parse(*base), env={"AGENTGATE_GCACHE": "redis://h:1/0"})[
+        "worker_args"] == []
+    for spec in ("off", "redis://127.0.0.1:6379/0"):
+        assert serve_kwargs(_parse(*base, "--gcache", spec), env={})["worker_args"] == [
+            "--gcache", spec]
+    assert worker_cli.engine_config(_worker_parse("--gcache", "off"), env={}).gcache is None
+    assert worker_cli.engine_config(_worker_parse(), env={"AGENTGATE_GCACHE": ""}).gcache is None
+
+
+def test_default_gcache_outlives_a_restart(sim_model_dir: Path, tmp_path: Path) -> None:
+    """``agentgate serve`` with no GCache flag, twice, in one home directory: the second
+    gateway's first request is served from the pages the first one's workers wrote."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"env": {"HOME": str(home), "AGENTGATE_GCACHE": ""}}
+    body = {"model": "m", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": " ".join(f"w{i}" for i in range(200))}]}
+    store = home / ".cache" / "agentgate" / "gcache"
+    with serve_proc(sim_model_dir, tmp_path, **env) as serve:
+        first = post_json(f"{serve.base_url}/v1/chat/completions", body)
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, first
+        wait_until(lambda: _files(store) > 0, 30, f"pages in {store}")
+        written = _files(store)
+        time.sleep(0.5)  # NOTE: let the writer finish the request's path
+        serve.stop()
+    assert written > 0
+    with serve_proc(sim_model_dir, tmp_path, **env) as serve:
+        again = post_json(f"{serve.base_url}/v1/chat/completions", body)
+        serve.stop()
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= first["usage"]["prompt_tokens"] // 2, (cached, again["usage"])
+
+
+def _files(root: Path) -> int:
+    return sum(1 for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def _worker_parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    worker_cli.add_arguments(parser)
+    return parser.parse_args(["--listen", "tcp://127.0.0.1:1", "--events", "tcp://127.0.0.1:2",
+                              "--backend", "sim", *argv])
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--header-timeout", "0"), ("--idle-timeout", "-1"),
