@@ -379,6 +379,7 @@ def _serve(model_dir: Path, cfg: ReplayConfig, router: str | None) -> Iterator[s
            "--port", str(port), "--cost", cfg.cost, "--page-size", str(cfg.page_tokens),
            "--max-batched-tokens", str(cfg.max_batched_tokens),
            "--first-token-timeout", "3600", "--idle-timeout", "3600",
+           "--gcache", "off",  # NOTE: the in-process replay has no L3 (nor pages of past runs)
            *_routing_flags(cfg, router)]
     env = {**os.environ, **_engine_env(cfg),
            "AGENTGATE_TENANT_SECRET": secrets.token_hex(16)}  # NOTE: never touch ~/.config
