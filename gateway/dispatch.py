@@ -194,6 +194,16 @@ class Dispatcher:
         return 0 if index is None else index.num_pages
 
     @property
+    def index_host_pages(self) -> int:
+        index = None if self.link is None else self.link.index
+        return 0 if index is None else index.num_host_pages
+
+    @property
+    def index_storage_pages(self) -> int:
+        index = None if self.link is None else self.link.index
+        return 0 if index is None else index.num_storage_pages
+
+    @property
     def index_workers(self) -> int:
         feed = None if self.link is None else self.link.feed
         return 0 if feed is None else feed.num_subscribers

@@ -13,6 +13,7 @@ one observation per token delta. Everything runs on the gateway's event loop, so
     | time_to_first_token_seconds                | histogram |                  | Dispatcher    |
     | inter_token_latency_seconds                | histogram |                  | Dispatcher    |
     | {prompt,cached_prompt,generated}_tokens_total | counter |               | Finished      |
+    | cached_prompt_tokens_by_tier_total         | counter   | tier             | Finished      |
     | request_cached_token_ratio                 | histogram |                  | Finished      |
     | worker_up, worker_in_flight_requests       | gauge     | worker           | WorkerClient  |
     | worker_running_requests, worker_waiting_requests | gauge | worker       | LoadReport    |
@@ -23,6 +24,7 @@ one observation per token delta. Everything runs on the gateway's event loop, so
     | worker_{prompt,cached_prompt,generated}_tokens_total | counter | worker | Finished      |
     | routing_decisions_total                    | counter   | router, reason   | Router        |
     | routing_index_pages, routing_index_workers | gauge     |                  | KVIndex       |
+    | routing_index_{host,storage}_pages         | gauge     |                  | KVIndex       |
     | prompt_cache_{hits,misses,fallbacks,evictions,reused_tokens}_total | counter | | PromptCache |
     | prompt_cache_entries, prompt_cache_tokens  | gauge     |                  | PromptCache   |
     | sessions_{created,deleted}_total           | counter   |                  | SessionManager |
@@ -102,7 +104,8 @@ class StreamStats:
     """What the ``Dispatcher`` measures per request (one ``GatewayMetrics`` reads it)."""
 
     __slots__ = ("ttft", "itl", "cached_ratio", "prompt_tokens", "cached_tokens",
-                 "generated_tokens", "num_finished", "pushed_tokens")
+                 "cached_tokens_host", "cached_tokens_storage", "generated_tokens",
+                 "num_finished", "pushed_tokens")
 
     def __init__(self) -> None:
         self.ttft = Histogram(LATENCY_BUCKETS_S)
@@ -110,6 +113,8 @@ class StreamStats:
         self.cached_ratio = Histogram(RATIO_BUCKETS)
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.cached_tokens_host = 0  # NOTE: of cached_tokens; the device's is the rest
+        self.cached_tokens_storage = 0
         self.generated_tokens = 0
         self.num_finished = 0
         self.pushed_tokens = 0  # NOTE: written from the worker's reply (Dispatcher.push_to)
@@ -118,6 +123,11 @@ class StreamStats:
         self.num_finished += 1
         self.prompt_tokens += item.prompt_tokens
         self.cached_tokens += item.cached_tokens
+        # NOTE: clamped as the worker does (engine.worker.publisher), so the device's share
+        # (cached - host - storage) never goes below 0
+        storage = min(item.cached_tokens_storage, item.cached_tokens)
+        self.cached_tokens_storage += storage
+        self.cached_tokens_host += min(item.cached_tokens_host, item.cached_tokens - storage)
         self.generated_tokens += item.completion_tokens
         if item.prompt_tokens:
             self.cached_ratio.observe(item.cached_tokens / item.prompt_tokens)
@@ -265,6 +275,7 @@ class GatewayMetrics:
         yield _counter("cached_prompt_tokens",
                        "Prompt tokens of finished requests found in a worker's prefix cache",
                        value=stats.cached_tokens)
+        yield self._cached_by_tier()
         yield _counter("generated_tokens", "Completion tokens of finished requests",
                        value=stats.generated_tokens)
         yield _counter("stream_pushed_tokens",
@@ -272,6 +283,19 @@ class GatewayMetrics:
                        "reply (chat and session-turn SSE streams without stop strings or logprobs; "
                        "the rest pass the stream's layers)",
                        value=stats.pushed_tokens)
+
+    def _cached_by_tier(self) -> CounterMetricFamily:
+        stats = self.dispatcher.stats
+        host, storage = stats.cached_tokens_host, stats.cached_tokens_storage
+        tiers = _counter("cached_prompt_tokens_by_tier",
+                         "cached_prompt_tokens_total split by where the worker found their KV: "
+                         "device (its GPU prefix cache, L1), host (its host memory, L2) or "
+                         "storage (the shared GCache, L3, loaded through L2); the three sum to "
+                         "cached_prompt_tokens_total", ["tier"])
+        tiers.add_metric(["device"], stats.cached_tokens - host - storage)
+        tiers.add_metric(["host"], host)
+        tiers.add_metric(["storage"], storage)
+        return tiers
 
     def _workers(self) -> Iterator[Metric]:
         """NOTE: a worker that is not alive (lost, reconnecting) has ``worker_up`` 0 and no
@@ -341,6 +365,12 @@ class GatewayMetrics:
                      "workers", value=self.dispatcher.index_pages)
         yield _gauge("routing_index_workers", "Workers whose KV events feed the index",
                      value=self.dispatcher.index_workers)
+        yield _gauge("routing_index_host_pages", "Host-memory (L2) KV pages the router's index "
+                     "holds over all workers", value=self.dispatcher.index_host_pages)
+        yield _gauge("routing_index_storage_pages", "KV pages of the shared GCache (L3) the "
+                     "router's index holds, as of its last KV event or match (entries age out "
+                     "unconfirmed after its storage TTL)",
+                     value=self.dispatcher.index_storage_pages)
         if (gate := self.dispatcher.gate) is not None:
             yield from gate.collect()  # NOTE: agentgate_admission_* (gateway.admission_gate)
         yield from self._retention()

@@ -147,6 +147,7 @@ class Replay:
                 if r.parent not in self.requests:
                     raise ValueError(f"request {r.request_id}: parent {r.parent!r} not in trace")
                 self.children.setdefault(r.parent, []).append(r)
+        self.now_s = 0.0  # NOTE: the virtual clock: the time of the event being handled
         self._init_workers(policy)
         self.builder = PromptBuilder(cfg.page_tokens, cfg.block_size, self.model_vocab)
         # NOTE: a parent's prompt and output ids are kept until its last continuing child has
@@ -173,7 +174,8 @@ class Replay:
         model = replay_model_config()
         self.model_vocab = model.vocab_size
         n = 1 if policy == GLOBAL else cfg.num_workers
-        self.index = KVIndex(cfg.page_tokens)
+        # NOTE: L3 entries age by the storage TTL in virtual time, not the replay's wall time
+        self.index = KVIndex(cfg.page_tokens, clock=lambda: self.now_s)
         self.router = make_policy(policy, self.index, **cfg.router_options)
         self.workers = {f"w{i}": SimWorker(f"w{i}", spec, model, self.index) for i in range(n)}
         window = model.sliding_window
@@ -201,6 +203,7 @@ class Replay:
         next_report = every
         while self.heap:
             now, _, kind, obj = heapq.heappop(self.heap)
+            self.now_s = now
             if kind == _ARRIVE:
                 self._arrive(obj, now)
             else:

@@ -54,12 +54,12 @@ def test_serve_curve_keys_reach_the_gateway_and_the_workers(
     args = _build_parser().parse_args([
         "serve", "--model", str(sim_model_dir), "--tenant-secret-file", str(tmp_path / "s"),
         "--curve-keys", str(curve_key_dir), "--cost", "h200"])
-    kwargs = serve_kwargs(args, env={})
+    kwargs = serve_kwargs(args, env={"AGENTGATE_GCACHE": "off"})
     assert kwargs["worker_args"] == ["--cost", "h200", "--curve-keys", str(curve_key_dir.resolve())]
     assert kwargs["gateway_options"]["curve_keys"] == load_client_keys(curve_key_dir)
     args.curve_keys = str(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="client.key_secret"):
-        serve_kwargs(args, env={})
+        serve_kwargs(args, env={"AGENTGATE_GCACHE": "off"})
 
 
 def test_dispatcher_with_keys_streams_and_follows_the_kv_events(
