@@ -31,7 +31,7 @@ from engine.model_config import ModelConfig
 from engine.sampler import SampleOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduled, Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Media, Sequence, check_prompt_ids
 
 
 class ContextTooLong(ValueError):
@@ -127,29 +127,44 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """The checks of ``make_sequence`` that need no grammar.
+    @property
+    def needs_media_embeds(self) -> bool:
+        """Whether requests with media need their embeddings (the sim has no hidden states)."""
+        return self.model is not None
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams,
+                      media: list[tuple[int, int]] | None = None) -> None:
+        """The checks of ``make_sequence`` that need no grammar and no embeddings.
+
+        Args:
+            media: the prompt's media spans, (offset, length) each.
 
         Raises:
             ValueError: empty prompt, token id outside the vocabulary (or a ``logit_bias`` id),
+                a media span out of order, overlapping, outside the prompt or over ids that are
+                not placeholders (a placeholder outside every span is outside the vocabulary),
                 or prompt + max_new_tokens beyond the model's context (``ContextTooLong``).
         """
-        _validate_prompt(prompt_ids, params.max_new_tokens, self.model_config)
+        _validate_prompt(prompt_ids, params.max_new_tokens, self.model_config, media)
         _validate_logit_bias(params, self.model_config.vocab_size)
 
     def make_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      grammar: GrammarMatcher | None = None, **kwargs: object) -> Sequence:
+                      grammar: GrammarMatcher | None = None, media: tuple[Media, ...] = (),
+                      **kwargs: object) -> Sequence:
         """Validate and build a request (``kwargs``: priority, cache_salt, session_id, ...).
 
         Args:
             grammar: ``params.structured`` compiled already (``GrammarCompiler``); None with a
                 grammar in ``params``: compiled here (cached).
+            media: the prompt's images by offset, each with its embeddings [length, hidden]
+                (moved to the model's device and dtype here); the sim keeps the spans only.
 
         Raises:
-            ValueError: as ``check_request``.
+            ValueError: as ``check_request``, or embeddings missing or not [length, hidden].
             GrammarError: ``params.structured`` does not compile (a ValueError too).
         """
-        self.check_request(prompt_ids, params)
+        self.check_request(prompt_ids, params, [(m.offset, m.length) for m in media])
+        media = self.prepare_media(media)
         if params.resumed_tokens >= len(prompt_ids):
             raise ValueError(f"SamplingParams.resumed_tokens={params.resumed_tokens}: must be "
                              f"below the prompt's {len(prompt_ids)} tokens")
@@ -162,7 +177,28 @@ class Engine:
                 grammar.accept(int(token))  # NOTE: the earlier run's output, consumed as it was
         return Sequence(request_id, tuple(map(int, prompt_ids)), params,
                         generator=self._generator(params.seed), stop_ids=frozenset(stop),
-                        grammar=grammar, **kwargs)  # type: ignore[arg-type]
+                        grammar=grammar, media=media, **kwargs)  # type: ignore[arg-type]
+
+    def prepare_media(self, media: tuple[Media, ...]) -> tuple[Media, ...]:
+        """``media`` with their embeddings checked and on the model's device, in its dtype
+        (the sim: without embeddings).
+
+        Raises:
+            ValueError: embeddings missing, or not [length, hidden_size].
+        """
+        if not self.needs_media_embeds:
+            return tuple(Media(m.offset, m.length) for m in media)
+        hidden = self.model_config.hidden_size
+        param = next(self.model.parameters())  # NOTE: the embedding table: the model's dtype
+        out = []
+        for i, m in enumerate(media):
+            if m.embeds is None:
+                raise ValueError(f"media[{i}]: no embeddings (the native backend needs them)")
+            if tuple(m.embeds.shape) != (m.length, hidden):
+                raise ValueError(f"media[{i}]: embeddings of shape {list(m.embeds.shape)}; want "
+                                 f"[length, hidden_size] = [{m.length}, {hidden}]")
+            out.append(m._replace(embeds=m.embeds.to(param.device, param.dtype)))
+        return tuple(out)
 
     def add(self, seq: Sequence, bounded: bool = True) -> None:
         """Queue a request (and start its L3 prefetch); ``bounded=False`` skips the queue bound
@@ -424,14 +460,11 @@ def _validate_logit_bias(params: SamplingParams, vocab_size: int) -> None:
         )
 
 
-def _validate_prompt(prompt: list[int], max_new_tokens: int, cfg: ModelConfig) -> None:
+def _validate_prompt(prompt: list[int], max_new_tokens: int, cfg: ModelConfig,
+                     media: list[tuple[int, int]] | None = None) -> None:
     if len(prompt) == 0:
         raise ValueError("prompt is empty: give at least one token id")
-    if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:
-        bad = [t for t in prompt if not 0 <= int(t) < cfg.vocab_size]
-        raise ValueError(
-            f"prompt token ids {bad[:5]} are outside the vocabulary [0, {cfg.vocab_size})"
-        )
+    check_prompt_ids(prompt, media or [], cfg.vocab_size)
     limit = cfg.max_position_embeddings
     if len(prompt) + max_new_tokens > limit:
         raise ContextTooLong(

@@ -19,9 +19,12 @@ from engine.config import EngineConfig
 from engine.engine import Engine, _validate_prompt
 from engine.kv import ContiguousBatch, SequenceKV
 from engine.sampling_params import SamplingParams
+from engine.sequence import Media
 from engine.sequence import Sequence as SeqState
 
 _ids = itertools.count()
+
+MediaInput = tuple[int, torch.Tensor]  # (offset in the prompt, embeddings [length, hidden])
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,13 +76,21 @@ class LLM:
         self,
         prompts: Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        media: Sequence[Sequence[MediaInput]] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (lists of token ids); outputs come in prompt order.
 
+        Args:
+            media: per prompt, its images as ``(offset, embeddings)``, sorted by offset: the
+                prompt's ids ``[offset, offset + len(embeddings))`` are media placeholder ids
+                (``engine.protocol.MEDIA_ID_BASE`` and up) whose rows take the embeddings
+                ([length, hidden_size]) instead of token embeddings.
+
         Raises:
-            ValueError: an empty prompt, a token id outside the vocabulary, a prompt plus
-                ``max_new_tokens`` longer than the model's context, or a params list whose
-                length differs from the prompts'.
+            ValueError: an empty prompt, a token id outside the vocabulary, a media span that is
+                out of order, outside the prompt, not over placeholder ids or of the wrong
+                shape, a prompt plus ``max_new_tokens`` longer than the model's context, or a
+                params or media list whose length differs from the prompts'.
         """
         if params is None or isinstance(params, SamplingParams):
             plist = [params or SamplingParams()] * len(prompts)
@@ -87,8 +98,12 @@ class LLM:
             plist = list(params)
             if len(plist) != len(prompts):
                 raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        seqs = [self.engine.make_sequence(f"offline-{next(_ids)}", list(p), sp)
-                for p, sp in zip(prompts, plist)]
+        mlist = [()] * len(prompts) if media is None else list(media)
+        if len(mlist) != len(prompts):
+            raise ValueError(f"got {len(mlist)} media lists for {len(prompts)} prompts")
+        seqs = [self.engine.make_sequence(f"offline-{next(_ids)}", list(p), sp,
+                                          media=_as_media(m))
+                for p, sp, m in zip(prompts, plist, mlist)]
         for seq in seqs:
             self.engine.add(seq, bounded=False)  # offline: no queue bound
         while self.engine.has_work:
@@ -103,13 +118,25 @@ class LLM:
         self.engine.close()
 
     @torch.inference_mode()
-    def prompt_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def prompt_logits(self, token_ids: Sequence[int],
+                      media: Sequence[MediaInput] = ()) -> torch.Tensor:
         """Logits for every position of one prompt, [len, vocab] float32 (a single prefill on the
-        contiguous reference KV, independent of the paged engine)."""
-        _validate_prompt(list(token_ids), 0, self.config)
+        contiguous reference KV, independent of the paged engine); ``media`` as in
+        ``generate``."""
+        items = self.engine.prepare_media(_as_media(media))
+        _validate_prompt(list(token_ids), 0, self.config, [(m.offset, m.length) for m in items])
         batch = ContiguousBatch([SequenceKV(self.config.num_hidden_layers)], [len(token_ids)])
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
-        return self.model.compute_logits(self.model(ids, batch.positions(self.device), batch))
+        embeds = None
+        if items:
+            rows = torch.cat([torch.arange(m.offset, m.end) for m in items]).to(self.device)
+            embeds = rows, torch.cat([m.embeds for m in items])  # type: ignore[misc]
+        hidden = self.model(ids, batch.positions(self.device), batch, embeds)
+        return self.model.compute_logits(hidden)
+
+
+def _as_media(items: Sequence[MediaInput]) -> tuple[Media, ...]:
+    return tuple(Media(int(offset), len(embeds), embeds) for offset, embeds in items)
 
 
 def _to_output(seq: SeqState) -> RequestOutput:

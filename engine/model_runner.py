@@ -2,6 +2,10 @@
 
 A step may first load prefix pages from host memory (``loads``, issue 12): layer by layer while
 the forward runs (``layerwise.py``), or all of them before it (load-then-compute).
+
+Prefill rows inside a request's media spans take the image's embeddings (``Sequence.media``):
+only the rows this step computes, so a chunk may take part of an image, and a prefix-cache hit
+none of the cached part (equal placeholder ids mean an equal image, hence equal KV).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from engine.sampler import (
     position_seed,
 )
 from engine.scheduler import Scheduled
+from engine.sequence import media_rows
 
 
 class ModelRunner:
@@ -56,7 +61,8 @@ class ModelRunner:
         ids = [s.seq.token(j) for s in batch for j in range(s.seq.num_computed,
                                                             s.seq.num_computed + s.query_len)]
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        hidden, kv = self._forward(input_ids, pages, loads, layerwise)
+        embeds = self._media_embeds(batch) if any(s.seq.media for s in batch) else None
+        hidden, kv = self._forward(input_ids, pages, loads, layerwise, embeds)
         rows = [row for s, row in zip(batch, kv.last_token_rows()) if s.samples]
         if not rows:
             return None
@@ -68,7 +74,25 @@ class ModelRunner:
         allowed = grammar_mask([q.grammar for q in sampling], logits.shape[-1], self.device)
         return self.sampler.sample(logits, [q.params for q in sampling],
                                    [q.generator for q in sampling], allowed,
-                                   history=penalty_history(sampling))
+                                   history=_text_only(penalty_history(sampling),
+                                                      logits.shape[-1]))
+
+    def _media_embeds(self, batch: Sequence[Scheduled]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows of the flat batch, their embeddings) for the media rows this step computes;
+        None when it computes none (decodes, text chunks, cached images)."""
+        rows: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        base = 0
+        for s in batch:
+            start = s.seq.num_computed
+            for m, lo, hi in media_rows(s.seq.media, start, start + s.query_len):
+                assert m.embeds is not None, f"{s.seq.request_id}: media without embeddings"
+                rows.append(torch.arange(base + lo - start, base + hi - start))
+                values.append(m.embeds[lo - m.offset : hi - m.offset])
+            base += s.query_len
+        if not rows:
+            return None
+        return torch.cat(rows).to(self.device), torch.cat(values).to(self.device, self.dtype)
 
     def _forward(
         self,
@@ -76,11 +100,22 @@ class ModelRunner:
         pages: Sequence[SeqPages],
         loads: Sequence[PageCopy],
         layerwise: bool,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> tuple[torch.Tensor, PagedBatch]:
         if not loads or not layerwise:
             load_pages(self.pool, loads)  # load-then-compute (nothing to do without loads)
             kv = PagedBatch(self.pool, self.layout, pages)
-            return self.model(input_ids, kv.positions(self.device), kv), kv
+            return self.model(input_ids, kv.positions(self.device), kv, embeds), kv
         with LayerwiseLoad(self.pool, self.layout, loads, self.device) as load:
             kv = PagedBatch(self.pool, self.layout, pages, wait_layer=load.wait_layer)
-            return self.model(input_ids, kv.positions(self.device), kv), kv
+            return self.model(input_ids, kv.positions(self.device), kv, embeds), kv
+
+
+def _text_only(history: list[Sequence[int] | None] | None,
+               vocab_size: int) -> list[Sequence[int] | None] | None:
+    """``history`` without media placeholder ids (outside the vocabulary): a repetition penalty
+    applies to text tokens only."""
+    if history is None:
+        return None
+    return [h if h is None or max(h, default=0) < vocab_size
+            else [t for t in h if t < vocab_size] for h in history]

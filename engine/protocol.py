@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
+from encoders.protocol import EmbeddingKey
 from engine.cost import CostModel
 from engine.sampling_params import StructuredSpec
 
@@ -29,8 +30,15 @@ if TYPE_CHECKING:
 # SamplingSpec.repetition_penalty / logit_bias (same reason) and the worker's instance_id. 4 added
 # Retain (a version-3 worker would answer it "bad_message") and Welcome's cost model, step token
 # budget and event endpoints, which the router needs. 5 added Replies (a version-4 gateway would
-# drop them as undecodable).
+# drop them as undecodable). Generate.media needed no new version: an older worker refuses the
+# placeholder ids (outside its vocabulary) as "invalid_request", it never serves them as text.
 PROTOCOL_VERSION = 5
+
+# NOTE: the token ids of media placeholders (issue 13): the gateway derives them from the media's
+# content hash, so the same image gives the same ids (and prefix-cache page hashes) and another
+# image other ids; every vocabulary lies below MEDIA_ID_BASE
+MEDIA_ID_BASE = 1 << 30
+MEDIA_ID_LIMIT = 1 << 31
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 ErrorCode = Literal[
@@ -107,12 +115,24 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
     client_id: str
 
 
+class MediaSpan(msgspec.Struct, frozen=True, kw_only=True):
+    """One image (or video frame set) in a prompt: ``input_ids[offset : offset + length]`` are
+    its placeholder ids (each in ``[MEDIA_ID_BASE, MEDIA_ID_LIMIT)``), whose rows the worker
+    replaces by the embedding stored under ``key`` (shape ``[length, hidden_size]``, fetched
+    from the embedding cache or the encoder service: the gateway encodes before it sends)."""
+
+    offset: int
+    length: int
+    key: EmbeddingKey
+
+
 class Generate(msgspec.Struct, tag="generate", frozen=True, kw_only=True):
     """Start one request.
 
     Attributes:
         request_id: unique among the client's running requests; every reply carries it.
-        input_ids: the prompt's token ids (non-empty).
+        input_ids: the prompt's token ids (non-empty); text ids below the vocabulary size, media
+            placeholder ids inside the spans of ``media``.
         sampling: how to pick tokens.
         session_id: the agent session this turn belongs to (scheduling and retention hints).
         cache_salt: tenant namespace of the prefix cache; requests with different salts never
@@ -123,6 +143,9 @@ class Generate(msgspec.Struct, tag="generate", frozen=True, kw_only=True):
         stream_interval_s: send new tokens at most this often (0: after every step). A client
             that only wants the whole answer sets it (e.g. 1 s): a short answer then comes as
             one ``TokenDelta`` right before ``Finished``, a long one still shows progress.
+        media: the prompt's images, sorted by ``offset``, not overlapping (``MediaSpan``); a
+            request waits (unscheduled) while the worker fetches their embeddings, and one
+            that is not found ends the request with ``invalid_request``.
     """
 
     request_id: str
@@ -133,6 +156,7 @@ class Generate(msgspec.Struct, tag="generate", frozen=True, kw_only=True):
     priority: int = 0
     retain_ttl_s: float | None = None
     stream_interval_s: float = 0.0
+    media: list[MediaSpan] = []
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True, kw_only=True):

@@ -203,6 +203,7 @@ class Scheduler:
     def _finish(seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        seq.media = ()  # NOTE: its embeddings' device memory goes now, not with the request
 
 
 def _priority_key(seq: Sequence) -> tuple[int, int]:

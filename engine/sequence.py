@@ -6,8 +6,9 @@ import enum
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+from engine.protocol import MEDIA_ID_BASE, MEDIA_ID_LIMIT
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -18,6 +19,20 @@ if TYPE_CHECKING:
     from engine.kv.prefix_cache import Node
 
 _arrival = itertools.count()
+
+
+class Media(NamedTuple):
+    """One image's rows in a prompt: positions ``[offset, offset + length)`` take ``embeds``
+    ([length, hidden], the model's dtype and device) instead of their token embeddings. The sim
+    backend, which has no hidden states, keeps spans without ``embeds``."""
+
+    offset: int
+    length: int
+    embeds: torch.Tensor | None = None
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
 
 
 class Status(enum.Enum):
@@ -51,6 +66,9 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()
     # NOTE: has consumed exactly output_ids (preemption keeps them, so it never rolls back)
     grammar: GrammarMatcher | None = None
+    # the prompt's images, by offset; kept until the request ends (a preempted request may
+    # recompute them), then dropped with their device memory
+    media: tuple[Media, ...] = ()
     # progress
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -96,3 +114,66 @@ class Sequence:
     def token(self, i: int) -> int:
         n = len(self.prompt_ids)
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+
+def media_rows(media: tuple[Media, ...], start: int, end: int
+               ) -> list[tuple[Media, int, int]]:
+    """The parts of ``media`` that the tokens ``[start, end)`` cover: ``(media, lo, hi)`` with
+    ``start <= lo < hi <= end``, so rows ``lo - start .. hi - start`` of the chunk take
+    ``media.embeds[lo - media.offset : hi - media.offset]``::
+
+        prompt     | text | image [offset, end)         | text |
+        chunk             [start ............ end)
+        overlap           [lo = start ... hi = end)      (a chunk may split an image)
+    """
+    out = []
+    for m in media:
+        lo, hi = max(start, m.offset), min(end, m.end)
+        if lo < hi:
+            out.append((m, lo, hi))
+    return out
+
+
+def check_prompt_ids(prompt: list[int], media: list[tuple[int, int]], vocab_size: int) -> None:
+    """Media spans ((offset, length) each) sorted, disjoint, inside the prompt (checked first),
+    over placeholder ids only; text ids everywhere else::
+
+        prompt   | text [end_prev, offset) | media[i] [offset, offset + length) | text ...
+        ids      | [0, vocab_size)         | [MEDIA_ID_BASE, MEDIA_ID_LIMIT)    |
+
+    Raises:
+        ValueError: naming the span or the ids at fault.
+    """
+    n, end = len(prompt), 0
+    for i, (offset, length) in enumerate(media):
+        if length < 1:
+            raise ValueError(f"media[{i}]: length {length}: must be >= 1")
+        if offset < end:
+            raise ValueError(f"media[{i}]: offset {offset} " + (
+                "is negative" if i == 0 else f"overlaps or precedes media[{i - 1}], which "
+                f"ends at {end} (spans must be sorted and disjoint)"))
+        if offset + length > n:
+            raise ValueError(f"media[{i}]: offset {offset} + length {length} exceeds the "
+                             f"prompt's {n} tokens")
+        end = offset + length
+    end = 0
+    for i, (offset, length) in enumerate(media):
+        ids = prompt[offset : offset + length]
+        if min(ids) < MEDIA_ID_BASE or max(ids) >= MEDIA_ID_LIMIT:
+            bad = [(offset + j, t) for j, t in enumerate(ids)
+                   if not MEDIA_ID_BASE <= t < MEDIA_ID_LIMIT]
+            raise ValueError(f"media[{i}]: (position, id) {bad[:5]} are not media placeholder "
+                             f"ids [{MEDIA_ID_BASE}, {MEDIA_ID_LIMIT})")
+        _check_text_ids(prompt[end:offset], vocab_size)
+        end = offset + length
+    _check_text_ids(prompt[end:] if end else prompt, vocab_size)
+
+
+def _check_text_ids(ids: list[int], vocab_size: int) -> None:
+    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):
+        return
+    bad = [t for t in ids if not 0 <= int(t) < vocab_size]
+    hint = (" (media placeholder ids need a media span)"
+            if any(MEDIA_ID_BASE <= t < MEDIA_ID_LIMIT for t in bad) else "")
+    raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+                     + hint)

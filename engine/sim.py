@@ -13,6 +13,10 @@ The sim's "model" has the same logit (0) for every token it may draw. A request 
 ``logit_bias`` samples from those logits plus its bias through the real sampler's filters
 (temperature, top-k, top-p, min-p; greedy picks among the top ties), with the same deterministic
 draw. ``repetition_penalty`` scales a logit of 0 to 0, so it changes nothing here.
+
+Media (issue 13): the engine validates a request's media spans as for the native backend and
+keeps no embeddings (``Engine.needs_media_embeds`` is False: a sim worker fetches none); the
+placeholder ids count as prompt ids (page hashes, the seeded draw) like any other.
 """
 
 from __future__ import annotations

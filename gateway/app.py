@@ -26,6 +26,7 @@ from gateway.errors import ERROR_HANDLERS
 from gateway.lane import GatewayApp
 from gateway.lifespan import (
     dispatcher_lifespan,
+    media_lifespan,
     model_lifespan,
     provide_dispatcher,
     provide_model,
@@ -82,6 +83,13 @@ class GatewayConfig:
         an error.
     curve_keys: the gateway's CURVE keys (``engine.worker.curve``; ``--curve-keys``): its DEALER,
         SUB and replay sockets connect to the workers as CURVE clients. None: plain.
+    encoders: the encoder services' ROUTER endpoints (``--encoder``; ``serve`` starts one for a
+        model with a vision tower); empty: image and video parts are a 400.
+    allow_media_urls: fetch http(s) media URLs (``--allow-media-urls``); off, only ``data:``
+        URIs are taken. Fetches never reach loopback, private or link-local addresses.
+    media_url_allowlist: hosts media URLs may name (``example.com``, ``*.example.com``); empty:
+        any public host.
+    max_images_per_request: images and video frames in one request (more is a 400).
     """
 
     model_dir: Path
@@ -108,6 +116,10 @@ class GatewayConfig:
     api_keys: ApiKeys | None = None
     migration_limit: int = DEFAULT_MIGRATION_LIMIT
     curve_keys: CurveClientKeys | None = None
+    encoders: tuple[str, ...] = ()
+    allow_media_urls: bool = False
+    media_url_allowlist: tuple[str, ...] = ()
+    max_images_per_request: int = 16
 
     def __post_init__(self) -> None:
         assert self.workers, "GatewayConfig needs at least one worker endpoint"
@@ -119,6 +131,7 @@ class GatewayConfig:
         assert self.router in ROUTER_NAMES, f"router={self.router!r}: one of {ROUTER_NAMES}"
         assert self.index_max_pages > 0, f"{self.index_max_pages=}"
         assert self.migration_limit >= 0, f"{self.migration_limit=}"
+        assert self.max_images_per_request > 0, f"{self.max_images_per_request=}"
 
 
 def create_app(cfg: GatewayConfig) -> GatewayApp:
@@ -132,7 +145,7 @@ def create_app(cfg: GatewayConfig) -> GatewayApp:
             "dispatcher": Provide(provide_dispatcher, sync_to_thread=False),
             "sessions": Provide(provide_sessions, sync_to_thread=False),
         },
-        lifespan=[model_lifespan, dispatcher_lifespan, sessions_lifespan],
+        lifespan=[model_lifespan, media_lifespan, dispatcher_lifespan, sessions_lifespan],
         exception_handlers=ERROR_HANDLERS,
         state=State({"cfg": cfg}),
         request_max_body_size=cfg.max_body_bytes,

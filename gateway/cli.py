@@ -8,6 +8,9 @@
     agentgate replay TRACE.jsonl | --synthetic agent [--policies ...] [--json OUT] [--plots DIR]
                                       replay a trace through the routing policies on in-process
                                       sim workers, virtual time (``agentgate replay -h``)
+    agentgate encoder --listen tcp://HOST:PORT [--model DIR] [--redis URL] ...
+                                      serve the image/video encoder over ZeroMQ, with the shared
+                                      embedding cache (``agentgate encoder -h``)
     agentgate keys DIR [--force]      write CURVE key pairs for the workers' ZeroMQ sockets (the
                                       workers' and the gateways'; ``--curve-keys DIR``)
     agentgate serve [--model DIR] [--workers N] [--worker tcp://...] [--host H] [--port P]
@@ -30,7 +33,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-DEMO_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+DEMO_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+              "vision_tower.safetensors")
 
 
 class CliError(Exception):
@@ -67,6 +71,8 @@ def init_demo_model(model_dir: Path, *, force: bool = False) -> Path:
     Raises:
         CliError: ``model_dir`` exists, is not empty and ``force`` is not set.
     """
+    from encoders.vision import init_tower, save_tower
+    from encoders.vision_config import demo_vision_config
     from engine.models.checkpoint import DEMO_CONFIG, DEMO_SEED, write_random_checkpoint
     from gateway.tokenizer import write_demo_tokenizer
 
@@ -79,6 +85,10 @@ def init_demo_model(model_dir: Path, *, force: bool = False) -> Path:
     try:
         write_random_checkpoint(tmp, DEMO_CONFIG, seed=DEMO_SEED, dtype="float32")
         write_demo_tokenizer(tmp)
+        # NOTE: a small random vision tower (16 tokens per 64x64 image), so the embedded
+        # default takes images (issue 13)
+        vision = demo_vision_config(out_hidden_size=DEMO_CONFIG["hidden_size"])
+        save_tower(init_tower(vision, seed=DEMO_SEED), tmp, config=vision)
         os.replace(tmp, model_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -134,6 +144,12 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return worker_main(args.extra, prog="agentgate worker")
 
 
+def _cmd_encoder(args: argparse.Namespace) -> int:
+    from encoders.__main__ import main as encoder_main
+
+    return encoder_main(args.extra, prog="agentgate encoder")
+
+
 def _cmd_keys(args: argparse.Namespace) -> int:
     from engine.worker.curve import write_keys
 
@@ -185,7 +201,9 @@ def serve_kwargs(args: argparse.Namespace, env: Mapping[str, str] | None = None
     curve_dir = Path(args.curve_keys).resolve() if args.curve_keys else None
     curve_options = {"curve_keys": load_client_keys(curve_dir)} if curve_dir else {}
     worker_curve = ["--curve-keys", str(curve_dir)] if curve_dir else []
+    encoders, encoder_args = _encoders(args, model_dir, env)
     return {
+        "encoder_args": encoder_args,
         "model_dir": model_dir, "num_workers": num_workers, "attach": args.worker,
         "host": args.host, "port": args.port, "backend": args.backend, "redis_url": args.redis,
         "gateway_procs": args.gateway_procs,
@@ -193,7 +211,10 @@ def serve_kwargs(args: argparse.Namespace, env: Mapping[str, str] | None = None
             # NOTE: the embedded default (DESIGN.md): the workers serve spawns share a file
             # GCache unless a flag or AGENTGATE_GCACHE (which they inherit) says otherwise
             ["--gcache", f"file:{default_gcache_dir()}"]
-            if args.gcache is None and not env.get("AGENTGATE_GCACHE") else [])],
+            if args.gcache is None and not env.get("AGENTGATE_GCACHE") else []),
+            *(arg for endpoint in encoders for arg in ("--encoder", endpoint)),
+            *(["--embed-redis", args.embed_redis] if args.embed_redis and (
+                encoders or encoder_args is not None) else [])],
         "limits": HttpLimits(
             header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
             max_connections=args.max_connections, drain_timeout_s=args.drain_timeout,
@@ -211,9 +232,39 @@ def serve_kwargs(args: argparse.Namespace, env: Mapping[str, str] | None = None
             "admission_config": _admission_config(args, api_keys),
             "api_keys": api_keys,
             "retain_ttl_s": args.retain_ttl,
+            "encoders": encoders,
+            "allow_media_urls": args.allow_media_urls,
+            "media_url_allowlist": tuple(args.media_url_allow),
+            "max_images_per_request": args.max_images_per_request,
             **curve_options,
         },
     }
+
+
+def _encoders(args: argparse.Namespace, model_dir: Path, env: Mapping[str, str]
+              ) -> tuple[tuple[str, ...], list[str] | None]:
+    """(the encoder endpoints the gateway attaches to, the flags of the encoder ``serve``
+    starts or None). The embedded default: a model with a vision tower gets one encoder
+    process; ``--encoder tcp://...`` attaches to ones started elsewhere (``agentgate encoder``)
+    and starts none; ``--encoder off`` or ``AGENTGATE_ENCODER=off``: no media."""
+    from encoders.vision_config import read_vision_config
+
+    specs = list(args.encoder) or [env.get("AGENTGATE_ENCODER", "")]
+    if any(spec.lower() in ("off", "none") for spec in specs):
+        return (), None
+    attach = tuple(spec for spec in specs if spec)
+    if attach:
+        return attach, None
+    try:
+        has_tower = read_vision_config(model_dir) is not None
+    except (FileNotFoundError, ValueError):
+        has_tower = False
+    if not has_tower:
+        return (), None
+    extra = ["--cache-mb", str(args.encoder_cache_mb)]
+    if args.embed_redis:
+        extra += ["--redis", args.embed_redis]
+    return (), extra
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -245,6 +296,10 @@ def _build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", add_help=False, help="serve one engine over ZeroMQ "
                             "(flags: agentgate worker -h)")
     worker.set_defaults(func=_cmd_worker, forward_args=True)
+
+    encoder = sub.add_parser("encoder", add_help=False, help="serve the image and video "
+                             "encoder over ZeroMQ (flags: agentgate encoder -h)")
+    encoder.set_defaults(func=_cmd_encoder, forward_args=True)
 
     replay = sub.add_parser("replay", add_help=False, help="replay a trace through the routing "
                             "policies on in-process sim workers (flags: agentgate replay -h)")
@@ -309,6 +364,7 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="a stream whose worker is lost after its first token goes on on another worker, "
              "at most N times (0: it ends with an error)")
     _add_routing_arguments(serve.add_argument_group("routing"))
+    _add_media_arguments(serve.add_argument_group("images and video"))
     http = serve.add_argument_group("HTTP server")
     http.add_argument("--header-timeout", type=_positive, default=10.0, metavar="S",
                       help="a request head (request line + headers) must arrive within this "
@@ -325,6 +381,28 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                            "then they end with an error")
     add_engine_arguments(serve.add_argument_group(
         "spawned workers", "engine settings passed to every worker that serve starts"))
+
+
+def _add_media_arguments(group: argparse._ArgumentGroup) -> None:
+    add = group.add_argument
+    add("--encoder", action="append", default=[], metavar="tcp://HOST:PORT",
+        help="attach to an encoder service started elsewhere (`agentgate encoder`; repeatable; "
+             "the gateway spreads work over them) instead of starting one; `off` (or "
+             "AGENTGATE_ENCODER=off): take no images (default: one encoder process for a model "
+             "with a vision tower)")
+    add("--encoder-cache-mb", type=_non_negative_int, default=256, metavar="MIB",
+        help="the started encoder's process embedding cache")
+    add("--embed-redis", metavar="URL", default=None,
+        help="share image embeddings through this Redis (the started encoder and every "
+             "spawned worker; default: the encoder's process cache only)")
+    add("--allow-media-urls", action="store_true",
+        help="fetch http(s) image and video URLs (never loopback, private or link-local "
+             "addresses; default: data: URIs only)")
+    add("--media-url-allow", action="append", default=[], metavar="HOST",
+        help="with --allow-media-urls, only these hosts (example.com, *.example.com; "
+             "repeatable; default: any public host)")
+    add("--max-images-per-request", type=_positive_int, default=16, metavar="N",
+        help="images and video frames in one request; more is a 400")
 
 
 def _add_routing_arguments(group: argparse._ArgumentGroup) -> None:

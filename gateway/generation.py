@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from engine.protocol import Finished, Generate, SamplingSpec, TokenDelta
+from engine.protocol import Finished, Generate, MediaSpan, SamplingSpec, TokenDelta
 from gateway.dispatch import Dispatcher, StreamItem
 from gateway.lifespan import ModelState
 from gateway.logprobs import TokenTexts, chat_logprobs
@@ -96,6 +96,7 @@ class Started:
     num_prompt_tokens: int = 0
     stats: StreamStats | None = None
     push_to: Callable[[Push], bool] | None = None  # NOTE: ``Dispatcher.push_to`` of this request
+    image_tokens: int = 0  # NOTE: the prompt's media placeholder tokens, for the usage
 
     def with_stream(self, stream: AsyncIterator[StreamItem],
                     push_to: Callable[[Push], bool] | None = None) -> Started:
@@ -103,7 +104,7 @@ class Started:
         pushed to only through ``push_to`` (None: not at all): ``stream`` may want to see
         every delta, pushed ones too."""
         return Started(self.request_id, self.first, stream, self.num_prompt_tokens, self.stats,
-                       push_to)
+                       push_to, self.image_tokens)
 
     async def items(self) -> AsyncIterator[StreamItem]:
         yield self.first
@@ -157,6 +158,7 @@ def build_generate(
     retain_ttl_s: float | None = None,
     stream: bool = True,
     stop_strings: Sequence[str] = (),
+    media: Sequence[MediaSpan] = (),
 ) -> Generate:
     """The worker request (the caller has checked the context with ``check_context``).
     ``stream=False`` (the client wants the whole answer) lets the worker hold tokens back for
@@ -168,6 +170,7 @@ def build_generate(
     return Generate(
         request_id=request_id, input_ids=input_ids, sampling=sampling, session_id=session_id,
         cache_salt=cache_salt, retain_ttl_s=retain_ttl_s, stream_interval_s=interval_s,
+        media=list(media),
     )
 
 
@@ -236,7 +239,8 @@ async def start(
         await stream.aclose()  # type: ignore[attr-defined]
         raise
     return Started(generate.request_id, first, stream, len(generate.input_ids), dispatcher.stats,
-                   functools.partial(dispatcher.push_to, generate.request_id))
+                   functools.partial(dispatcher.push_to, generate.request_id),
+                   sum(span.length for span in generate.media))
 
 
 async def pieces(
@@ -307,7 +311,8 @@ async def chat_deltas(
                     yield ChatDelta(delta, _take(pending, opts.logprobs))
                 has_calls = parser is not None and parser.num_calls > 0
                 reason = finish_reason(piece, has_calls)
-                yield ChatEnd(reason, usage_of(piece), _take(pending, opts.logprobs))
+                yield ChatEnd(reason, usage_of(piece, started.image_tokens),
+                              _take(pending, opts.logprobs))
                 return
             if opts.logprobs and piece.logprobs is not None:
                 pending += chat_logprobs(
@@ -345,7 +350,8 @@ async def chat_result(started: Started, model: ModelState, opts: OutputOptions) 
     message = ResponseMessage(content=content or None, tool_calls=calls or None)
     reason = finish_reason(finished, bool(calls))
     return ChatResult(
-        message, reason, usage_of(finished), logprobs if opts.logprobs else None, token_ids
+        message, reason, usage_of(finished, started.image_tokens),
+        logprobs if opts.logprobs else None, token_ids,
     )
 
 
@@ -358,8 +364,8 @@ def finish_reason(item: Finished, has_calls: bool = False) -> Any:
     return "tool_calls" if has_calls else "stop"
 
 
-def usage_of(item: Finished) -> Usage:
-    return Usage.of(item.prompt_tokens, item.completion_tokens, item.cached_tokens)
+def usage_of(item: Finished, image_tokens: int = 0) -> Usage:
+    return Usage.of(item.prompt_tokens, item.completion_tokens, item.cached_tokens, image_tokens)
 
 
 class StopMatcher:

@@ -64,6 +64,29 @@ async def model_lifespan(app: Litestar) -> AsyncIterator[None]:
 
 
 @asynccontextmanager
+async def media_lifespan(app: Litestar) -> AsyncIterator[None]:
+    """``app.state.media``: the images and video of requests (``gateway.media``), over the
+    encoder services of ``cfg.encoders`` (none: media parts are a 400)."""
+    from encoders.fetch import FetchPolicy
+    from encoders.media import MediaLimits
+    from encoders.service import EncoderClient
+    from gateway.media import MediaPipeline
+
+    cfg = app.state.cfg
+    limits = MediaLimits(max_images_per_request=cfg.max_images_per_request)
+    policy = FetchPolicy(allow_urls=cfg.allow_media_urls, allowlist=cfg.media_url_allowlist,
+                         timeout_s=limits.fetch_timeout_s)
+    client = EncoderClient(cfg.encoders) if cfg.encoders else None
+    app.state.media = MediaPipeline.for_tokenizer(client, app.state.model.tokenizer,
+                                                  limits=limits, policy=policy)
+    try:
+        yield
+    finally:
+        await app.state.media.aclose()
+        del app.state.media
+
+
+@asynccontextmanager
 async def dispatcher_lifespan(app: Litestar) -> AsyncIterator[None]:
     """A ``WorkerClient`` per endpoint, each connecting (and reconnecting) in the background.
 

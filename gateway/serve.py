@@ -11,8 +11,11 @@ process never imports torch: the engine only runs in the worker subprocesses.
 import errno
 import ipaddress
 import logging
+import os
+import re
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -28,8 +31,11 @@ from gateway.worker_process import (
     ServeError,
     WorkerProcess,
     echo_worker_logs,
+    spawn_child,
     spawn_worker,
 )
+
+ENCODER_START_LINE = re.compile(r"encoder listening on (\S+)")
 
 __all__ = ["ANY_PORT", "START_LINE", "START_TIMEOUT_S", "ServeError", "WorkerProcess", "serve",
            "spawn_worker"]
@@ -50,6 +56,7 @@ def serve(
     limits: HttpLimits | None = None,
     gateway_options: Mapping[str, Any] | None = None,
     gateway_procs: int = 1,
+    encoder_args: Sequence[str] | None = None,
 ) -> int:
     """Serve until SIGINT/SIGTERM; returns the exit status.
 
@@ -62,6 +69,9 @@ def serve(
         gateway_options: more ``GatewayConfig`` fields (timeouts, model names, CORS, secret).
         gateway_procs: gateway processes on the port (``gateway.procs``); more than one needs
             ``redis_url``.
+        encoder_args: start an encoder service (``python -m encoders``, supervised like the
+            workers) with these extra flags; the gateway and every worker get its endpoint
+            (``encoders`` and ``--encoder``). None: no encoder is started.
 
     Raises:
         ServeError: no ASGI server, Redis unreachable or missing for several processes, the
@@ -89,7 +99,14 @@ def serve(
     workers: list[WorkerProcess] = []
     supervisor: Supervisor | None = None
     gateways: Supervisor | None = None
+    encoder: Supervisor | None = None
     try:
+        if encoder_args is not None:
+            encoder = _start_encoder(model_dir, encoder_args)
+            endpoint = encoder.workers[0].listen
+            worker_args = [*worker_args, "--encoder", endpoint]
+            gateway_options = {**(gateway_options or {}), "encoders": (
+                *(gateway_options or {}).get("encoders", ()), endpoint)}
         spawn = _spawner(model_dir, backend, worker_args)
         for i in range(num_workers):
             workers.append(spawn(f"w{i}", ANY_PORT, ANY_PORT, threading.Event()))
@@ -111,6 +128,9 @@ def serve(
         if supervisor is not None:
             supervisor.stop()
         stop_workers(workers)
+        if encoder is not None:
+            encoder.stop()
+            stop_workers(encoder.workers)
         sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -177,6 +197,26 @@ def _start_gateway_procs(cfg: Any, limits: HttpLimits, num: int) -> Supervisor:
     gateways = Supervisor(procs, spawn, kind="gateway process")
     gateways.start()
     return gateways
+
+
+def _start_encoder(model_dir: Path, extra_args: Sequence[str]) -> Supervisor:
+    """One encoder service on a free loopback port, restarted on the same port if it dies; it
+    stops when this process dies (``--parent-pid``). NOTE: a process of its own rather than
+    threads in the gateway: the gateway process never imports torch, and a tower's forward
+    would hold the GIL the event loop needs."""
+
+    def spawn(worker_id: str, listen: str, events: str, cancel: threading.Event
+              ) -> WorkerProcess:
+        cmd = [sys.executable, "-m", "encoders", "--model", str(model_dir), "--listen", listen,
+               "--parent-pid", str(os.getpid()), *extra_args]
+        proc, m, lines = spawn_child(cmd, ENCODER_START_LINE, START_TIMEOUT_S, cancel,
+                                     new_session=True, what="encoder")
+        return WorkerProcess(proc, worker_id, m[1], "", lines)
+
+    first = spawn("encoder", ANY_PORT, "", threading.Event())
+    encoder = Supervisor([first], spawn, kind="encoder")
+    encoder.start()
+    return encoder
 
 
 def is_loopback(host: str) -> bool:

@@ -50,6 +50,7 @@ from gateway.generation import (
     tool_parser,
 )
 from gateway.lifespan import ModelState, SessionsState
+from gateway.media import MediaPipeline
 from gateway.request_stream import Push
 from gateway.routing.retention import Pause
 from gateway.schemas import (
@@ -93,6 +94,7 @@ async def begin_turn(
     tenant: str,
     session_id: str,
     req: TurnParams,
+    media: MediaPipeline | None = None,
 ) -> "Turn":
     """Claim the session and build the worker request (nothing is sent yet).
 
@@ -107,7 +109,21 @@ async def begin_turn(
     session = await ctx.manager.begin_turn(tenant, session_id, new, request_id)
     lease = _LeaseKeeper(ctx, session)
     try:
-        prompt = await _render(ctx, session, new)
+        history = session.rendered_messages()
+        # NOTE: the session's images (its history's, already checked, and the new messages')
+        # are keyed and sent to the encoder (cached ones answer at once) while it renders
+        images = None if media is None else await media.start(
+            [*history, *new], cache_salt(tenant), count_from=len(history))
+        try:
+            prompt = await _render(ctx, session, new)
+            if images is not None:
+                ids, spans = images.expand(prompt.token_ids)
+                prompt = prompt._replace(token_ids=ids)
+                await images.encoded()
+        except BaseException:
+            if images is not None:
+                images.cancel()
+            raise
         left = check_context(model, len(prompt.token_ids), "messages")
         spec = turn_sampling_spec(
             req, tools=session.tools, default_max_tokens=left,
@@ -115,7 +131,7 @@ async def begin_turn(
         )
         generate = build_generate(
             prompt.token_ids, spec, request_id=request_id, session_id=session.id,
-            cache_salt=cache_salt(tenant),
+            cache_salt=cache_salt(tenant), media=() if images is None else spans,
         )
     except BaseException:
         await lease.stop()

@@ -24,6 +24,10 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 # must neither write into the user's home nor find a page an earlier run left there (a cold
 # prompt would hit). Tests that want L3 pass --gcache or their own AGENTGATE_GCACHE.
 os.environ.setdefault("AGENTGATE_GCACHE", "off")
+# NOTE: likewise `agentgate serve` starts an encoder process for a model with a vision tower
+# (the demo model has one); tests that send images pass their own AGENTGATE_ENCODER="" or
+# --encoder, the rest do not pay for a process they never use
+os.environ.setdefault("AGENTGATE_ENCODER", "off")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

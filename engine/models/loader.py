@@ -3,7 +3,8 @@
 Accepted tensor layouts: the hub's per-expert weights (``mlp.experts.{e}.gate_proj.weight``) and
 transformers' fused ones (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj``);
 ``self_attn.sinks`` as an alias of ``self_attn.attention_sink_bias``. MTP heads (``model.mtp.*``)
-are skipped. Anything else that is missing, extra or mis-shaped is a ``CheckpointError`` naming it.
+and the vision tower (``vision_tower.*``) are skipped. Anything else that is missing, extra or
+mis-shaped is a ``CheckpointError`` naming it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from engine.layers.moe import Router
 from engine.model_config import ModelConfig
 from engine.models.mimo_v2 import MiMoV2ForCausalLM
 
-_IGNORED = re.compile(r"^model\.mtp\.|rotary_emb\.inv_freq$")
+# NOTE: the vision tower's tensors (``vision_tower.*``) may share the model dir (issue 13): the
+# encoder service loads them (``encoders.vision.load_tower``), never the LLM
+_IGNORED = re.compile(r"^model\.mtp\.|^vision_tower\.|rotary_emb\.inv_freq$")
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _MAX_LISTED = 8
 

@@ -3,6 +3,10 @@
 Parameter names follow the Hugging Face hub layout (per-expert weights), so a checkpoint's
 tensors map one to one onto ``state_dict()``. Tokens of all requests in a batch are laid out back
 to back ([num_tokens, hidden]); attention goes through the ``KVContext`` passed in.
+
+Media (issue 13): ``forward(..., embeds=(rows, values))`` overwrites the listed rows of the token
+embeddings with ``values`` (an image's vision-tower embeddings). Those rows hold placeholder ids
+outside the vocabulary, so the ids are clamped into it first (the looked-up rows are discarded).
 """
 
 from __future__ import annotations
@@ -48,13 +52,27 @@ class MiMoV2Model(nn.Module):
         )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVContext
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: KVContext,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        if embeds is None:
+            x = self.embed_tokens(input_ids)
+        else:
+            x = self._embed_with(input_ids, *embeds)
         rope = {kind: emb(positions, x.dtype) for kind, emb in self.rotary.items()}
         for layer in self.layers:
             x = layer(x, rope[layer.kind], kv)
         return self.norm(x)
+
+    def _embed_with(self, input_ids: torch.Tensor, rows: torch.Tensor,
+                    values: torch.Tensor) -> torch.Tensor:
+        """Token embeddings with ``rows`` replaced by ``values`` ([len(rows), hidden])."""
+        ids = input_ids.clamp(max=self.embed_tokens.num_embeddings - 1)
+        x = self.embed_tokens(ids)
+        return x.index_copy_(0, rows, values.to(x.dtype))
 
 
 class MiMoV2ForCausalLM(nn.Module):
@@ -71,10 +89,21 @@ class MiMoV2ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVContext
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: KVContext,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Returns the final hidden states, [num_tokens, hidden]."""
-        return self.model(input_ids, positions, kv)
+        """Returns the final hidden states, [num_tokens, hidden].
+
+        Args:
+            embeds: (rows, values): rows (long, [k], indices into the flat batch) whose input
+                embedding is ``values`` ([k, hidden], cast to the model dtype) instead of their
+                token's; ids outside the vocabulary are allowed in those rows only. None: every
+                row is its token's embedding (decodes, text-only prefills).
+        """
+        return self.model(input_ids, positions, kv, embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32 (the matmul runs in the model dtype, like the ref)."""

@@ -8,7 +8,7 @@ from engine.grammar import GrammarError, GrammarMatcher, spec_bytes
 from engine.protocol import ErrorReply, Generate
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Overloaded
-from engine.sequence import Sequence
+from engine.sequence import Media, Sequence
 from engine.worker.config import MAX_STREAM_INTERVAL_S
 
 
@@ -30,7 +30,7 @@ def check_generate(msg: Generate, engine: Engine, max_grammar_bytes: int
                 f"{max_grammar_bytes} bytes")
         return ErrorReply(request_id=rid, code="invalid_grammar", message=text)
     try:
-        engine.check_request(msg.input_ids, params)
+        engine.check_request(msg.input_ids, params, [(m.offset, m.length) for m in msg.media])
     except ContextTooLong as e:
         return ErrorReply(request_id=rid, code="context_too_long", message=str(e))
     except ValueError as e:
@@ -39,13 +39,15 @@ def check_generate(msg: Generate, engine: Engine, max_grammar_bytes: int
 
 
 def add_to_engine(engine: Engine, msg: Generate, params: SamplingParams, engine_id: str,
-                  grammar: GrammarMatcher | None) -> Sequence | ErrorReply:
-    """Build the request (its grammar, if any, already compiled) and hand it to the engine;
-    returns it, or the error that refuses it (nothing was added then)."""
+                  grammar: GrammarMatcher | None, media: tuple[Media, ...] = ()
+                  ) -> Sequence | ErrorReply:
+    """Build the request (its grammar, if any, already compiled, its media's embeddings
+    fetched) and hand it to the engine; returns it, or the error that refuses it (nothing was
+    added then)."""
     rid = msg.request_id
     try:
         seq = engine.make_sequence(
-            engine_id, msg.input_ids, params, grammar=grammar, priority=msg.priority,
+            engine_id, msg.input_ids, params, grammar=grammar, media=media, priority=msg.priority,
             cache_salt=msg.cache_salt, session_id=msg.session_id, retain_ttl_s=msg.retain_ttl_s,
         )
         engine.add(seq)

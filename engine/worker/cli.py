@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 # torch-free; tests/gateway/test_serve_cli.py checks that the two agree.
 COSTS = ("cpu", "h200", "zero")
 DEFAULT_MAX_QUEUED_PER_CLIENT = 512  # NOTE: engine.worker.config's, repeated for the same reason
+DEFAULT_EMBED_CACHE_MB = 64  # NOTE: engine.worker.config.DEFAULT_EMBED_CACHE_BYTES, likewise
 PARENT_POLL_S = 0.5
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -64,7 +65,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--insecure-no-curve", action="store_true",
         help="serve a non-loopback endpoint without --curve-keys: anyone who reaches it can "
              "run work (logged as a warning)")
+    add_media_arguments(parser)
     add_engine_arguments(parser)
+
+
+def add_media_arguments(parser: argparse.ArgumentParser | Any) -> None:
+    """Where the worker finds the embeddings of a request's images (issue 13). NOTE: not among
+    the engine flags ``agentgate serve`` forwards: serve has its own ``--encoder`` (and passes
+    the endpoints on itself)."""
+    add = parser.add_argument
+    add("--encoder", action="append", default=[], metavar="ENDPOINT", dest="encoders",
+        help="an encoder service (`agentgate encoder`) whose cache the worker looks image "
+             "embeddings up in, after its own cache and --embed-redis (repeatable)")
+    add("--embed-redis", metavar="URL",
+        help="the Redis the encoders share their embeddings in (redis://[[user]:password@]"
+             "host:port/db); read before asking an encoder service")
+    add("--embed-cache-mb", type=int, default=DEFAULT_EMBED_CACHE_MB, metavar="MIB",
+        help="the worker's process cache of image embeddings (default: %(default)s)")
+    add("--embed-timeout-s", type=float, default=5.0, metavar="S",
+        help="a request whose image embeddings take longer fails with invalid_request "
+             "(default: %(default)s)")
 
 
 def default_gcache_dir() -> str:
@@ -191,7 +211,9 @@ def run(args: argparse.Namespace) -> int:
                        client_timeout_s=args.client_timeout_s,
                        max_queued_per_client=args.max_queued_per_client,
                        curve_keys=args.curve_keys, insecure_no_curve=args.insecure_no_curve,
-                       **extra)
+                       encoders=tuple(args.encoders), embed_redis=args.embed_redis,
+                       embed_cache_bytes=args.embed_cache_mb * 2**20,
+                       embed_timeout_s=args.embed_timeout_s, **extra)
     worker = Worker(cfg, engine_cfg)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: worker.stop())

@@ -14,6 +14,7 @@ COSTS = ("cpu", "h200", "zero")  # engine.sim.COST_PRESETS
 # client (a gateway process, a runaway script) can fill it and starve the others
 DEFAULT_MAX_QUEUED_PER_CLIENT = 512
 MAX_STREAM_INTERVAL_S = 10.0  # NOTE: well below a client's idle timeout (the gateway's: 30 s)
+DEFAULT_EMBED_CACHE_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +43,15 @@ class WorkerConfig:
             and accept only its authorized clients. None: no authentication, which is refused
             when an endpoint is not loopback unless ``insecure_no_curve``.
         insecure_no_curve: allow a non-loopback endpoint without ``curve_keys`` (logged).
+        encoders: encoder service endpoints whose caches the worker looks media embeddings up
+            in (``EncoderClient.lookup``), after its own cache (``engine.worker.media_jobs``).
+        embed_redis: the Redis shared with the encoders (``EmbeddingCache``), read before the
+            encoder services; None: none.
+        embed_cache_bytes: the process LRU of embeddings, looked in first.
+        embed_timeout_s: how long a request may wait for its embeddings (then it fails with
+            ``invalid_request``); also each encoder call's timeout.
+        media_threads: embedding fetches running at once.
+        max_fetching_requests: requests waiting for their embeddings at most (then overloaded).
 
     Raises:
         ValueError: an endpoint is not loopback and neither ``curve_keys`` nor
@@ -66,6 +76,12 @@ class WorkerConfig:
     max_queued_per_client: int = DEFAULT_MAX_QUEUED_PER_CLIENT
     curve_keys: str | None = None
     insecure_no_curve: bool = False
+    encoders: tuple[str, ...] = ()
+    embed_redis: str | None = field(default=None, repr=False)  # NOTE: may hold a password
+    embed_cache_bytes: int = DEFAULT_EMBED_CACHE_BYTES
+    embed_timeout_s: float = 5.0
+    media_threads: int = 2
+    max_fetching_requests: int = 256
 
     def __post_init__(self) -> None:
         assert self.cost in COSTS, f"cost={self.cost!r}: one of {COSTS}"
@@ -78,11 +94,20 @@ class WorkerConfig:
         assert self.max_compiling_requests >= 1, "max_compiling_requests must be >= 1"
         assert self.client_timeout_s > 0, f"client_timeout_s={self.client_timeout_s}: > 0"
         assert self.max_queued_per_client >= 1, "max_queued_per_client must be >= 1"
+        assert self.embed_cache_bytes >= 0, f"embed_cache_bytes={self.embed_cache_bytes}: >= 0"
+        assert self.embed_timeout_s > 0, f"embed_timeout_s={self.embed_timeout_s}: > 0"
+        assert self.media_threads >= 1, f"media_threads={self.media_threads}: >= 1"
+        assert self.max_fetching_requests >= 1, "max_fetching_requests must be >= 1"
         if self.curve_keys is None and not self.insecure_no_curve:
             # NOTE: a ValueError, not an assert: a user's flags, refused even under python -O
             error = exposure_error(self.endpoints)
             if error is not None:
                 raise ValueError(error)
+
+    @property
+    def has_embedding_source(self) -> bool:
+        """Whether media embeddings can be found anywhere (an encoder service or a Redis)."""
+        return bool(self.encoders or self.embed_redis)
 
     @property
     def endpoints(self) -> dict[str, str]:

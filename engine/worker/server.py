@@ -37,7 +37,12 @@ the identity that sent the message. Message flow:
 - Anything that does not decode -> ``ErrorReply(None, "bad_message")``; the worker keeps serving.
 
 Grammars compile on their own threads (``engine.worker.grammar_jobs``): a request waits unscheduled
-until its grammar is ready, while the loop goes on stepping and answering.
+until its grammar is ready, while the loop goes on stepping and answering. Likewise the embeddings
+of a request's images (``Generate.media``) are fetched on threads of their own
+(``engine.worker.media_jobs``: the process cache, ``--embed-redis``, then the ``--encoder``
+services); a key found nowhere, an embedding of the wrong shape or a fetch past
+``--embed-timeout-s`` ends that request with ``invalid_request``. The sim backend validates media
+spans and ignores them (it fetches nothing).
 
 Request ids are scoped by client: two clients may both run a request "r1". A client that has sent
 nothing (a heartbeat ``GetLoad`` included) for ``client_timeout_s`` counts as gone: its requests
@@ -92,6 +97,7 @@ from engine.worker.curve import (
     load_server_keys,
 )
 from engine.worker.grammar_jobs import GrammarJobs
+from engine.worker.media_jobs import EmbeddingSource, MediaJobs
 from engine.worker.publisher import KVEventBuffer, WorkerPublisher, load_report
 from engine.worker.replies import ReplySender
 from engine.worker.requests import RequestManager
@@ -99,6 +105,8 @@ from engine.worker.requests import RequestManager
 __all__ = ["COSTS", "Worker", "WorkerConfig"]  # NOTE: the config lives in engine.worker.config
 
 logger = logging.getLogger(__name__)
+
+PENDING_POLL_MS = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +130,8 @@ class Worker:
         self._init_sockets()
         self._welcome = self._make_welcome()
         self._replies = ReplySender(self._router)
-        self._requests = RequestManager(cfg, self.engine, self._grammars, self._replies)
+        self._requests = RequestManager(cfg, self.engine, self._grammars, self._replies,
+                                        self._media)
         self._clients = ClientWatch(cfg.client_timeout_s)
         self._held: _HeldStep | None = None
         self._stopping = False
@@ -138,7 +147,7 @@ class Worker:
         while not self._stopping:
             if self._router.poll(self._poll_timeout_ms()):
                 self._drain_messages()
-            self._requests.admit_compiled()
+            self._requests.admit_ready()
             self._advance()
             self.engine.tick()
             self._drop_silent_clients()
@@ -150,6 +159,8 @@ class Worker:
 
     def close(self) -> None:
         self._grammars.close()
+        if self._media is not None:
+            self._media.close()
         self.engine.close()
         self._router.close(linger=0)
         self._pub.close()
@@ -171,6 +182,7 @@ class Worker:
                              cost=cost, grammar_cache_bytes=self.cfg.grammar_cache_bytes)
         self._grammars = GrammarJobs(self.engine.grammars, self.cfg.grammar_threads,
                                      self.cfg.grammar_timeout_s)
+        self._media = _make_media_jobs(self.cfg, self.engine)
         runner: Any = self.engine.runner
         # NOTE: simulated seconds so far; a step's delay is how far it moved this clock
         self._sim_clock_s = (lambda: runner.clock_s) if cost is not None else (lambda: 0.0)
@@ -190,6 +202,8 @@ class Worker:
         except Exception:
             self._router.close(linger=0)
             self._grammars.close()
+            if self._media is not None:
+                self._media.close()
             if self._auth is not None:
                 self._auth.stop()
             raise
@@ -232,7 +246,9 @@ class Worker:
         if self._held is not None:  # NOTE: capped, so that stop() is seen within idle_poll_s
             return min(idle_ms, max(0, int((self._held.ready_at - time.monotonic()) * 1000)))
         if not self.engine.has_work:
-            return idle_ms
+            # NOTE: a pending request (grammar, embeddings) is admitted within PENDING_POLL_MS
+            # of its job's end, not a whole idle poll later
+            return min(idle_ms, PENDING_POLL_MS) if self._requests.num_pending else idle_ms
         return 1 if self.engine.only_fetching else 0  # NOTE: no spin while L3 loads
 
     def _drain_messages(self) -> None:
@@ -325,8 +341,9 @@ class Worker:
 
     def _load_report(self) -> LoadReport:
         stats = self.engine.stats()
-        # NOTE: a request whose grammar compiles is waiting, as far as routing is concerned
-        stats = replace(stats, num_waiting=stats.num_waiting + self._requests.num_compiling)
+        # NOTE: a request whose grammar compiles (or whose embeddings are on their way) is
+        # waiting, as far as routing is concerned
+        stats = replace(stats, num_waiting=stats.num_waiting + self._requests.num_pending)
         return load_report(self.cfg.worker_id, stats, self.instance_id)
 
     def _publish(self) -> None:
@@ -349,6 +366,23 @@ def _model_config(cfg: EngineConfig) -> ModelConfig:
     from engine.models.checkpoint import DEMO_CONFIG
 
     return ModelConfig.from_dict(DEMO_CONFIG)
+
+
+def _make_media_jobs(cfg: WorkerConfig, engine: Engine) -> MediaJobs | None:
+    """The media embedding fetcher of a native worker with an embedding source; None for the
+    sim (it needs no embeddings) or without a source (media requests are refused)."""
+    if not engine.needs_media_embeds or not cfg.has_embedding_source:
+        return None
+    from encoders.embed_cache import EmbeddingCache
+    from encoders.service import EncoderClient
+
+    cache = EmbeddingCache(cfg.embed_cache_bytes, redis_url=cfg.embed_redis)
+    encoder = (EncoderClient(cfg.encoders, timeout_s=cfg.embed_timeout_s)
+               if cfg.encoders else None)
+    param = next(engine.model.parameters())
+    return MediaJobs(EmbeddingSource(cache, encoder), engine.model_config.hidden_size,
+                     param.dtype, param.device, num_threads=cfg.media_threads,
+                     timeout_s=cfg.embed_timeout_s)
 
 
 def _any_port(endpoint: str) -> str:

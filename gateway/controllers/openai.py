@@ -15,7 +15,7 @@ ones stay inline, where a thread hop would cost more than the work.
 
 import functools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -25,7 +25,7 @@ import msgspec
 from litestar import Controller, Request, Response, get, post
 from litestar.params import FromPath
 
-from engine.protocol import Finished, TokenDelta
+from engine.protocol import Finished, MediaSpan, TokenDelta
 from gateway import sse
 from gateway.affinity_keys import affinity_key
 from gateway.disconnect import read_body, until_disconnect
@@ -47,6 +47,7 @@ from gateway.generation import (
 from gateway.lean_request import HttpRequest
 from gateway.lifespan import ModelState
 from gateway.logprobs import TokenTexts
+from gateway.media import Media, MediaPipeline
 from gateway.prompt_cache import EncodedPrompt
 from gateway.request_stream import Push
 from gateway.schemas import (
@@ -61,6 +62,7 @@ from gateway.schemas import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    Message,
     Model,
     ModelList,
     RequestError,
@@ -147,10 +149,21 @@ async def chat_completion(request: HttpRequest) -> Answer:
     num_chars = prompt_chars(req.messages)
     _check_prompt_chars(num_chars, model, "messages")
     salt = cache_salt(tenant_of(request))
-    prompt = await _maybe_off_loop(request, num_chars, _chat_prompt, req, model, salt)
-    input_ids = prompt.token_ids
+    # NOTE: the media are fetched and checked first; their encode runs while the prompt is
+    # rendered and tokenized, and is awaited before the request is sent
+    media = await start_media(request, req.messages, salt)
+    try:
+        prompt = await _maybe_off_loop(request, num_chars, _chat_prompt, req, model, salt)
+        input_ids, spans = prompt.token_ids, []
+        if media is not None:
+            input_ids, spans = media.expand(input_ids)
+            await media.encoded()
+    except BaseException:
+        if media is not None:
+            media.cancel()
+        raise
     head, started = await _start(request, model, req, input_ids, "messages", salt,
-                                 prompt.conversation)
+                                 prompt.conversation, spans)
     parse_tools = bool(req.tools) and req.tool_choice != "none"
     opts = OutputOptions(req.stop_strings, parse_tools, logprobs=bool(req.logprobs))
     if req.stream:
@@ -208,6 +221,7 @@ async def _start(
     param: str,
     salt: str | None,
     conversation: int | None = None,
+    media: Sequence[MediaSpan] = (),
 ) -> tuple[_Head, Started]:
     """Check the context (a 400 ``context_length_exceeded`` on ``param`` or the max-tokens
     field), send the request, await its first item. ``conversation``: the prompt cache's name
@@ -223,7 +237,7 @@ async def _start(
         input_ids, spec, request_id=new_request_id(prefix), cache_salt=salt, stream=req.stream,
         # NOTE: the worker's session hint, per tenant as the route's key
         session_id=None if key is None else f"{salt or ANONYMOUS}/{key}",
-        stop_strings=req.stop_strings,
+        stop_strings=req.stop_strings, media=media,
     )
     # NOTE: a chat request answering a retained tool-call answer releases it (tool_pauses)
     started = await start_stateless(
@@ -283,7 +297,8 @@ async def _maybe_off_loop(
 def _counting(started: Started, num_prompt_tokens: int) -> Started:
     """``started`` with a running ``usage`` (prompt and completion tokens so far) attached, for
     ``continuous_usage_stats``."""
-    counted = _CountingStarted(started.request_id, started.first, started.stream)
+    counted = _CountingStarted(started.request_id, started.first, started.stream,
+                               image_tokens=started.image_tokens)
     counted.prompt_tokens = num_prompt_tokens
     return counted
 
@@ -300,6 +315,18 @@ class _CountingStarted(Started):
 
     def usage(self) -> Usage:
         return Usage.of(self.prompt_tokens, self.completion_tokens)
+
+
+async def start_media(request: HttpRequest, messages: Sequence[Message],
+                      salt: str | None) -> Media | None:
+    """The request's media fetched, checked and keyed, their encode started
+    (``gateway.media``); None without media parts. An app without a media pipeline (tests
+    that build one by hand) takes no media."""
+    pipeline = getattr(request.app.state, "media", None) or _NO_MEDIA
+    return await pipeline.start(messages, salt)
+
+
+_NO_MEDIA = MediaPipeline(None, {"image": None, "video": None})
 
 
 def _check_vocab(token_ids: list[int], vocab_size: int | None) -> None:

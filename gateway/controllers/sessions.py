@@ -176,7 +176,8 @@ async def session_turn(request: HttpRequest, session_id: str) -> Answer:
     state = request.app.state
     req = decode_turn_request(await read_body(request))
     turn = await begin_turn(
-        state.sessions, state.model, state.dispatcher, tenant_of(request), session_id, req
+        state.sessions, state.model, state.dispatcher, tenant_of(request), session_id, req,
+        media=getattr(state, "media", None),
     )
     await _start(turn)
     if req.stream:
@@ -291,7 +292,8 @@ class _SessionSocket:
         self._cancel_requested, self._is_cancellable = False, False
         try:
             turn = await begin_turn(
-                self.sessions, self.model, self.dispatcher, self.tenant, self.session_id, frame
+                self.sessions, self.model, self.dispatcher, self.tenant, self.session_id, frame,
+                media=getattr(self.socket.app.state, "media", None),
             )
         except Exception as exc:
             await self._send(ErrorFrame(error=_error_detail(exc), id=frame.id))

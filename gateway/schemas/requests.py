@@ -41,9 +41,38 @@ class TextPart(msgspec.Struct, tag="text", tag_field="type", frozen=True, kw_onl
     text: str
 
 
-# NOTE: a one-member tagged union, so that an image part fails at `content[0].type` with the
-# unsupported value rather than as a missing `text`.
-ContentPart = TextPart
+class ImageUrl(msgspec.Struct, frozen=True, kw_only=True):
+    """``url``: a ``data:`` URI, or http(s) when the gateway fetches URLs
+    (``--allow-media-urls``). ``detail`` is accepted; every image gets the tower's one tile."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageUrlPart(msgspec.Struct, tag="image_url", tag_field="type", frozen=True, kw_only=True):
+    image_url: ImageUrl
+
+
+class VideoUrl(msgspec.Struct, frozen=True, kw_only=True):
+    """A short clip (MP4, WebM, ...): a ``data:`` URI or an allowed URL; frames are sampled."""
+
+    url: str
+
+
+class VideoUrlPart(msgspec.Struct, tag="video_url", tag_field="type", frozen=True, kw_only=True):
+    video_url: VideoUrl
+
+
+class VideoFramesPart(msgspec.Struct, tag="video", tag_field="type", frozen=True, kw_only=True):
+    """A video as its frames (vLLM's and Qwen's spelling): image URLs, in order."""
+
+    video: list[str]
+
+
+# NOTE: a tagged union, so that an unknown part (input_audio) fails at `content[0].type` with
+# the unsupported value rather than as a missing field of some other part
+ContentPart = TextPart | ImageUrlPart | VideoUrlPart | VideoFramesPart
+MediaPart = ImageUrlPart | VideoUrlPart | VideoFramesPart
 Content = str | list[ContentPart]
 
 

@@ -13,7 +13,11 @@ from gateway.schemas.requests import FinishReason, ToolCall
 
 
 class PromptTokensDetails(msgspec.Struct, frozen=True, kw_only=True):
+    """``image_tokens``: the prompt's image and video placeholder tokens (absent without media;
+    ``cached_tokens`` counts those that hit like any other)."""
+
     cached_tokens: int = 0
+    image_tokens: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
@@ -23,12 +27,14 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+           image_tokens: int = 0) -> Usage:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=cached_tokens, image_tokens=image_tokens or msgspec.UNSET),
         )
 
 

@@ -5,7 +5,8 @@ Layout of the ids (the demo model's vocab_size may be larger; ids past the end d
     | ids        | tokens                                                   |
     |------------|----------------------------------------------------------|
     | 0 .. 255   | byte b (id == b), spelled in GPT-2's byte-to-unicode map |
-    | 256 .. 265 | DEMO_SPECIAL_TOKENS, in order                            |
+    | 256 .. 269 | DEMO_SPECIAL_TOKENS, in order (the last four, the media   |
+    |            | markers, were added after the first ten: ids never move)  |
 """
 
 import json
@@ -23,6 +24,10 @@ DEMO_SPECIAL_TOKENS: tuple[str, ...] = (
     "<think>",
     "</think>",
     "<|pad|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
 )
 NUM_BYTE_TOKENS = 256
 DEMO_VOCAB_SIZE_MIN = NUM_BYTE_TOKENS + len(DEMO_SPECIAL_TOKENS)
@@ -31,7 +36,13 @@ DEMO_EOS_TOKEN = "<|im_end|>"
 DEMO_PAD_TOKEN = "<|pad|>"
 # NOTE: like Qwen, only the control tokens are `special` (dropped by skip_special_tokens); the
 # tool-call and think markers stay visible in decoded text so that parsers can find them.
-_CONTROL_TOKENS = frozenset({"<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"})
+_CONTROL_TOKENS = frozenset({"<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>",
+                             "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                             "<|video_pad|>"})
+# NOTE: Qwen2-VL's markers: the chat template writes one pad token per image or video between
+# vision_start and vision_end; the gateway widens each pad into the media's placeholder span
+IMAGE_PAD_TOKEN = "<|image_pad|>"
+VIDEO_PAD_TOKEN = "<|video_pad|>"
 # Chat turns end at <|im_end|>; a raw completion may end at <|endoftext|>.
 _GENERATION_EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
 

@@ -74,10 +74,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def live_gateway(model_dir: Path, *args: str, backend: str = "sim") -> Iterator[LiveGateway]:
-    """``agentgate serve --model model_dir --backend backend ARGS`` until the block ends."""
+def live_gateway(model_dir: Path, *args: str, backend: str = "sim",
+                 env: dict[str, str] | None = None) -> Iterator[LiveGateway]:
+    """``agentgate serve --model model_dir --backend backend ARGS`` until the block ends;
+    ``env`` adds to its environment."""
     port = free_port()
-    proc = spawn_serve(model_dir, port, *args, backend=backend, stdout=subprocess.PIPE, text=True)
+    proc = spawn_serve(model_dir, port, *args, backend=backend, stdout=subprocess.PIPE, text=True,
+                       env=env or {})
     gateway = LiveGateway(f"http://127.0.0.1:{port}", proc)
     try:
         wait_ready(proc, gateway.base_url, gateway.stop)

@@ -33,8 +33,15 @@ class ServeProc:
 
     def worker_pids(self) -> list[int]:
         """The live (not zombie) ``engine.worker`` children of the gateway."""
+        return self._children(b"engine.worker")
+
+    def encoder_pids(self) -> list[int]:
+        """The live (not zombie) encoder service children (``python -m encoders``)."""
+        return self._children(b"-m\0encoders\0")
+
+    def _children(self, marker: bytes) -> list[int]:
         return [pid for pid in children(self.proc.pid)
-                if b"engine.worker" in _cmdline(pid) and proc_state(pid) not in (None, "Z")]
+                if marker in _cmdline(pid) and proc_state(pid) not in (None, "Z")]
 
     def stop(self, sig: int = signal.SIGINT, timeout_s: float = 60.0) -> int:
         """Signal the gateway and wait; SIGKILL after ``timeout_s``. Returns its exit status."""
@@ -56,28 +63,28 @@ class ServeProc:
 
 @contextlib.contextmanager
 def serve_proc(model_dir: Path, tmp_path: Path, *args: str,
-               env: dict[str, str] | None = None) -> Iterator[ServeProc]:
+               env: dict[str, str] | None = None, backend: str = "sim") -> Iterator[ServeProc]:
     """``agentgate serve --backend sim --model model_dir ARGS`` on a free port, ready; killed
     with its workers at the end whatever the test did. ``env`` adds to its environment."""
     port = free_port()
     log_path = tmp_path / f"serve-{port}.log"
     with log_path.open("wb") as log:
         proc = spawn_serve(model_dir, port, "--served-model-name", "m", *args, stdout=log,
-                           env=env or {})
+                           env=env or {}, backend=backend)
     serve = ServeProc(proc, port, log_path)
     pids: set[int] = set()
     try:
         wait_ready(proc, serve.base_url, serve.output)
-        pids.update(serve.worker_pids())
+        pids.update(serve.worker_pids(), serve.encoder_pids())
         yield serve
     finally:
-        pids.update(serve.worker_pids())
+        pids.update(serve.worker_pids(), serve.encoder_pids())
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         for pid in pids:  # NOTE: only our own workers, by pid
             with contextlib.suppress(ProcessLookupError):
-                if b"engine.worker" in _cmdline(pid):
+                if b"engine.worker" in _cmdline(pid) or b"-m\0encoders\0" in _cmdline(pid):
                     os.kill(pid, signal.SIGKILL)
 
 

@@ -190,6 +190,10 @@ _BAD_CHAT = [
     (_chat(messages=[{"role": "user", "content": 3}]), "messages[0].content"),
     (
         _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+        "messages[0].content[0].image_url.url",
+    ),
+    (
+        _chat(messages=[{"role": "user", "content": [{"type": "input_audio", "data": "x"}]}]),
         "messages[0].content[0].type",
     ),
     (_chat(messages=[{"role": "tool", "content": "42"}]), "messages[0].tool_call_id"),

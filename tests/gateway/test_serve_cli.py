@@ -251,3 +251,33 @@ def test_a_child_that_started_and_died_at_once_is_returned_not_refused() -> None
                                           re.compile(r"ready to (\w+)"), 30.0)
         assert match[1] == "serve"
         assert proc.wait(10) == -9
+
+
+def test_serve_starts_an_encoder_for_a_model_with_a_vision_tower(
+    demo_model_dir: Path, sim_model_dir: Path, tmp_path: Path,
+) -> None:
+    secret = ("--tenant-secret-file", str(tmp_path / "s"))
+    env = {"AGENTGATE_GCACHE": "off"}
+    kwargs = serve_kwargs(_parse("--model", str(demo_model_dir), *secret), env=env)
+    assert kwargs["encoder_args"] == ["--cache-mb", "256"]
+    assert kwargs["gateway_options"]["encoders"] == () and kwargs["worker_args"] == []
+    # NOTE: no tower, no encoder; `off` (flag or environment) starts none either
+    assert serve_kwargs(_parse("--model", str(sim_model_dir), *secret), env=env)[
+        "encoder_args"] is None
+    for argv, extra_env in ((("--encoder", "off"), {}), ((), {"AGENTGATE_ENCODER": "off"})):
+        kwargs = serve_kwargs(_parse("--model", str(demo_model_dir), *secret, *argv),
+                              env={**env, **extra_env})
+        assert kwargs["encoder_args"] is None and kwargs["gateway_options"]["encoders"] == ()
+    # NOTE: attached encoders: the gateway and every worker get their endpoints, none started
+    kwargs = serve_kwargs(_parse("--model", str(demo_model_dir), *secret, "--encoder",
+                                 "tcp://10.0.0.5:5570", "--encoder", "tcp://10.0.0.6:5570",
+                                 "--embed-redis", "redis://127.0.0.1:6379/3"), env=env)
+    assert kwargs["encoder_args"] is None
+    assert kwargs["gateway_options"]["encoders"] == ("tcp://10.0.0.5:5570", "tcp://10.0.0.6:5570")
+    assert kwargs["worker_args"] == ["--encoder", "tcp://10.0.0.5:5570", "--encoder",
+                                     "tcp://10.0.0.6:5570", "--embed-redis",
+                                     "redis://127.0.0.1:6379/3"]
+    kwargs = serve_kwargs(_parse("--model", str(demo_model_dir), *secret, "--embed-redis",
+                                 "redis://127.0.0.1:6379/3", "--encoder-cache-mb", "8"), env=env)
+    assert kwargs["encoder_args"] == ["--cache-mb", "8", "--redis", "redis://127.0.0.1:6379/3"]
+    assert kwargs["worker_args"] == ["--embed-redis", "redis://127.0.0.1:6379/3"]

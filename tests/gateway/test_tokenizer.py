@@ -73,7 +73,7 @@ def test_demo_files_are_byte_identical_across_writes(tmp_path: Path) -> None:
 
 
 def test_demo_vocab_layout(tok: Tokenizer) -> None:
-    assert DEMO_VOCAB_SIZE_MIN == 266
+    assert DEMO_VOCAB_SIZE_MIN == 270
     assert tok.vocab_size == DEMO_VOCAB_SIZE_MIN
     assert tok.model_max_length is not None and tok.model_max_length > 0
     chars = byte_to_unicode()
@@ -89,7 +89,7 @@ def test_specials_map_to_their_ids(tok: Tokenizer) -> None:
         assert tok.decode([256 + offset]) == token
     assert tok.eos_token_ids == (258, 256)  # <|im_end|>, <|endoftext|>
     assert tok.pad_token_id == 265
-    assert tok.special_ids == frozenset({256, 257, 258, 265})
+    assert tok.special_ids == frozenset({256, 257, 258, 265, 266, 267, 268, 269})
     ids = tok.encode("<|im_start|>x<tool_call>y</tool_call><|im_end|>")
     assert tok.decode(ids, skip_special_tokens=True) == "x<tool_call>y</tool_call>"
 

@@ -146,12 +146,13 @@ class RedisStore:
 
     def _failed(self, what: str, exc: Exception) -> None:
         self.stats.errors += 1
-        if _is_timeout(exc):
+        if is_timeout(exc):
             self.stats.timeouts += 1
         self._outage.failed(what, exc)
 
 
-def _is_timeout(exc: BaseException) -> bool:
+def is_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a Redis or socket timeout."""
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, RedisTimeoutError | TimeoutError):

@@ -82,10 +82,12 @@ class PageStore(Protocol):
 
 class OutageLog:
     """One warning per outage: the first failure logs, the next ones stay quiet until a call
-    succeeds again. Thread-safe."""
+    succeeds again. Thread-safe. ``what`` names the service in the lines (``gcache``) and
+    ``meanwhile`` says what callers get while it is down; ``log`` is the caller's logger."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, what: str = "gcache",
+                 meanwhile: str = "serving misses", log: logging.Logger = logger) -> None:
+        self.name, self.what, self.meanwhile, self.log = name, what, meanwhile, log
         self._down = False
         self._lock = threading.Lock()
 
@@ -93,14 +95,14 @@ class OutageLog:
         with self._lock:
             was_down, self._down = self._down, True
         if not was_down:
-            logger.warning("gcache %s unavailable (%s: %s: %s); serving misses until it is back",
-                           self.name, what, type(exc).__name__, exc)
+            self.log.warning("%s %s unavailable (%s: %s: %s); %s until it is back", self.what,
+                             self.name, what, type(exc).__name__, exc, self.meanwhile)
 
     def succeeded(self) -> None:
         if self._down:
             with self._lock:
                 self._down = False
-            logger.info("gcache %s is back", self.name)
+            self.log.info("%s %s is back", self.what, self.name)
 
 
 def open_store(spec: str) -> PageStore:
@@ -143,7 +145,7 @@ def _open_redis(spec: str, cluster: bool) -> PageStore:
 
     url = urllib.parse.urlsplit(spec)
     auth = {"username": url.username or None, "password": url.password or None}
-    spec = _redacted(spec)  # NOTE: from here on only messages use it: no password in them
+    spec = redacted(spec)  # NOTE: from here on only messages use it: no password in them
     params = _params(spec, url.query, {"ttl_s", "timeout_s"})
     ttl_s = _number(spec, params, "ttl_s", DEFAULT_TTL_S)
     timeout_s = _number(spec, params, "timeout_s", DEFAULT_TIMEOUT_S)
@@ -160,7 +162,7 @@ def _open_redis(spec: str, cluster: bool) -> PageStore:
                                  timeout_s=timeout_s, ssl=url.scheme == "rediss", **auth)
 
 
-def _redacted(spec: str) -> str:
+def redacted(spec: str) -> str:
     """``spec`` with the password of its user info replaced by ``***``."""
     scheme, sep, rest = spec.partition("://")
     netloc, slash, tail = rest.partition("/")
