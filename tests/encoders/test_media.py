@@ -14,7 +14,6 @@ import time
 import zlib
 from pathlib import Path
 
-import av
 import numpy as np
 import pytest
 import torch
@@ -30,6 +29,7 @@ from encoders.media import (
     probe_image,
 )
 from encoders.video import decode_clip, probe_clip
+from tests.encoders.clips import make_clip
 
 ROOT = Path(__file__).resolve().parents[2]
 LIMITS = MediaLimits()
@@ -242,30 +242,15 @@ def test_content_hash_is_sha256_of_the_bytes() -> None:
 # ------------------------------------------------------------------------------------ clips
 
 
-def _make_clip(seconds: float, fps: int = 10, size: int = 64, codec: str = "mpeg4",
-               container: str = "mp4") -> bytes:
-    """Frame i is solid gray 10 * i (mod 250): a decoded frame names its own index."""
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=container) as out:
-        stream = out.add_stream(codec, rate=fps)
-        stream.width = stream.height = size
-        stream.pix_fmt = "yuv420p"
-        for i in range(round(seconds * fps)):
-            pixels = np.full((size, size, 3), 10 * i % 250, np.uint8)
-            out.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
-        out.mux(stream.encode())
-    return buf.getvalue()
-
-
 @pytest.fixture(scope="module")
 def clip() -> bytes:
-    return _make_clip(2.0)
+    return make_clip(2.0)
 
 
 @pytest.mark.parametrize("codec,container", [("mpeg4", "mp4"), ("libvpx-vp9", "webm"),
                                              ("mpeg4", "avi")])
 def test_clip_frames_are_sampled_uniformly(codec: str, container: str) -> None:
-    data = _make_clip(2.0, codec=codec, container=container)
+    data = make_clip(2.0, codec=codec, container=container)
     frames = decode_clip(data, LIMITS, 4)
     # NOTE: targets 0.25, 0.75, 1.25, 1.75 s show frames 2, 7, 12, 17 (10 fps)
     levels = [round(float(f.mean())) for f in frames]
@@ -289,7 +274,7 @@ def test_clip_probe_reads_the_header(clip: bytes) -> None:
 
 
 def test_long_clip_is_refused_before_decoding() -> None:
-    data = _make_clip(95.0, fps=1, size=16)
+    data = make_clip(95.0, fps=1, size=16)
     with pytest.raises(MediaError, match="clip is 95 s, longer than the limit of 60 s"):
         decode_clip(data, LIMITS, 8)
 

@@ -21,11 +21,13 @@ import openai
 import pytest
 from PIL import Image
 
+from tests.encoders.clips import make_clip
 from tests.gateway.live import LiveGateway, live_gateway
 from tests.gateway.serve_proc import post_json, proc_state, serve_proc, wait_until
 
 TPI = 16  # the demo tower: 64x64 images, 8x8 patches, 2x2 merge
 PAGE = 16
+CLIP_FRAMES = 8  # frames the encoder samples from a clip (encoders.encode)
 
 
 def _jpeg(seed: int, size: tuple[int, int] = (80, 60)) -> bytes:
@@ -123,6 +125,33 @@ def test_bad_media_are_400s_naming_the_part(client: openai.OpenAI, part: dict[st
     assert _chat(client, _messages(_jpeg(5))).usage.completion_tokens >= 1
 
 
+def _video_part(data: bytes) -> dict[str, Any]:
+    url = f"data:video/mp4;base64,{base64.b64encode(data).decode()}"
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
+def test_a_clip_and_a_frame_list_count_their_frames(client: openai.OpenAI) -> None:
+    clip = [{"role": "user", "content": [_video_part(make_clip(2.0)),
+                                         {"type": "text", "text": "What happens?"}]}]
+    answer = _chat(client, clip)
+    assert answer.usage.prompt_tokens_details.model_dump()["image_tokens"] == CLIP_FRAMES * TPI
+    frames = [_image_part(_jpeg(20 + i))["image_url"]["url"] for i in range(3)]
+    listed = [{"role": "user", "content": [{"type": "video", "video": frames}]}]
+    answer = _chat(client, listed)
+    assert answer.usage.prompt_tokens_details.model_dump()["image_tokens"] == 3 * TPI
+
+
+def test_a_clip_that_is_too_long_is_a_400_naming_the_part(client: openai.OpenAI) -> None:
+    # NOTE: 61 s at 1 fps of 16x16: cheap to make, over the 60 s limit
+    messages = [{"role": "user", "content": [{"type": "text", "text": "see"},
+                                             _video_part(make_clip(61, fps=1, size=16))]}]
+    with pytest.raises(openai.BadRequestError) as info:
+        _chat(client, messages)
+    body = info.value.body
+    assert isinstance(body, dict) and body.get("param") == "messages[0].content[1]", body
+    assert "longer than the limit" in body["message"], body
+
+
 def test_session_turns_carry_their_images(gateway: LiveGateway) -> None:
     base = f"{gateway.base_url}/v1/sessions"
     session = post_json(base, {"system": "You describe pictures."})
@@ -145,9 +174,9 @@ def test_the_encoder_process_is_supervised(demo_model_dir: Path, tmp_path: Path)
     with serve_proc(demo_model_dir, tmp_path, env=env) as serve:
         [encoder] = serve.encoder_pids()
         os.kill(encoder, signal.SIGKILL)
-        wait_until(lambda: serve.encoder_pids() and serve.encoder_pids() != [encoder], 60,
-                   "a killed encoder is restarted")
-        [restarted] = serve.encoder_pids()
+        # NOTE: one read per poll: the killed one may still be listed, then none for a moment
+        [restarted] = wait_until(lambda: [p for p in serve.encoder_pids() if p != encoder], 60,
+                                 "a killed encoder is restarted")
         body = {"model": "m", "messages": _messages(_jpeg(7)), "max_tokens": 2}
         url = f"{serve.base_url}/v1/chat/completions"
         answer = _retry(lambda: post_json(url, body))
