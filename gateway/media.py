@@ -21,11 +21,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 import msgspec
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from encoders.fetch import FetchPolicy, fetch_media
 from encoders.media import MediaError, MediaLimits, content_hash, probe_image
@@ -113,6 +114,21 @@ def placeholder_ids(key: EmbeddingKey, length: int) -> list[int]:
 
 
 @dataclass(slots=True)
+class MediaStats:
+    """Counters of one gateway's media (``MediaPipeline.collect`` exports them)."""
+
+    items: dict[str, int] = field(default_factory=dict)  # by kind: image, frame, video
+    bytes: int = 0
+    tokens: int = 0  # placeholder tokens of the requests that got their media encoded
+    rejected: dict[str, int] = field(default_factory=dict)  # by code: invalid_media, ...
+
+    def reject(self, err: RequestError) -> RequestError:
+        code = err.code or "invalid_value"
+        self.rejected[code] = self.rejected.get(code, 0) + 1
+        return err
+
+
+@dataclass(slots=True)
 class Media:
     """The media of one request, fetched and keyed, their encode running (``MediaPipeline``)."""
 
@@ -121,6 +137,7 @@ class Media:
     lengths: list[int]
     pad_ids: dict[PadKind, int | None]
     task: asyncio.Task[Any] | None = None
+    stats: MediaStats = field(default_factory=MediaStats)
     num_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -172,13 +189,16 @@ class Media:
         try:
             reply = await self.task
         except EncoderRejected as exc:
-            raise _unavailable(f"the encoder refused the request: {exc}") from None
+            raise self.stats.reject(_unavailable(f"the encoder refused the request: {exc}")
+                                    ) from None
         except EncoderError as exc:
-            raise _unavailable(str(exc)) from None
+            raise self.stats.reject(_unavailable(str(exc))) from None
         for error in reply.errors:
             ref = self.refs[error.index]
-            raise RequestError(f"the {_noun(ref)} could not be used: {error.reason}",
-                               param=ref.param, code="invalid_media")
+            raise self.stats.reject(RequestError(
+                f"the {_noun(ref)} could not be used: {error.reason}", param=ref.param,
+                code="invalid_media"))
+        self.stats.tokens += self.num_tokens
 
     def cancel(self) -> None:
         if self.task is not None:
@@ -200,6 +220,7 @@ class MediaPipeline:
         self.limits = limits or MediaLimits()
         self.policy = policy or FetchPolicy()
         self.encode_timeout_s = encode_timeout_s
+        self.stats = MediaStats()
         self._description: Description | None = None
 
     @classmethod
@@ -218,6 +239,13 @@ class MediaPipeline:
         Raises:
             RequestError: see the module docstring.
         """
+        try:
+            return await self._start(messages, cache_salt, count_from)
+        except RequestError as err:
+            raise self.stats.reject(err) from None
+
+    async def _start(self, messages: Sequence[Message | dict[str, Any]], cache_salt: str | None,
+                     count_from: int) -> Media | None:
         refs = media_refs(messages, self.limits, count_from)
         if not refs:
             return None
@@ -236,7 +264,11 @@ class MediaPipeline:
                              tower_fingerprint=desc.tower_fingerprint) for data in datas]
         items = [EncodeItem(key=key, kind=ref.kind, data=data)
                  for key, ref, data in zip(keys, refs, datas, strict=True)]
-        media = Media(refs, keys, [desc.tokens_for(ref.kind) for ref in refs], self.pad_ids)
+        media = Media(refs, keys, [desc.tokens_for(ref.kind) for ref in refs], self.pad_ids,
+                      stats=self.stats)
+        for ref, data in zip(refs, datas, strict=True):
+            self.stats.items[ref.kind] = self.stats.items.get(ref.kind, 0) + 1
+            self.stats.bytes += len(data)
         assert self.client is not None
         media.task = asyncio.ensure_future(
             self.client.encode(items, with_data=False, timeout_s=self.encode_timeout_s))
@@ -259,6 +291,25 @@ class MediaPipeline:
     async def aclose(self) -> None:
         if self.client is not None:
             await self.client.aclose()
+
+    def collect(self) -> Iterator[Metric]:
+        """``agentgate_media_*`` for a Prometheus registry (the metrics plugin registers it)."""
+        stats = self.stats
+        items = CounterMetricFamily("agentgate_media_items", "Images, video frames and clips "
+                                    "fetched, checked and sent to the encoder", labels=["kind"])
+        for kind in ("image", "frame", "video"):
+            items.add_metric([kind], stats.items.get(kind, 0))
+        yield items
+        yield CounterMetricFamily("agentgate_media_bytes", "Bytes of media fetched",
+                                  value=stats.bytes)
+        yield CounterMetricFamily("agentgate_media_tokens", "Placeholder tokens of media "
+                                  "encoded for requests", value=stats.tokens)
+        rejected = CounterMetricFamily("agentgate_media_rejected", "Requests refused for their "
+                                       "media, by error code (400s; encoder_unavailable: 503)",
+                                       labels=["code"])
+        for code, n in sorted(stats.rejected.items()):
+            rejected.add_metric([code], n)
+        yield rejected
 
     async def _bytes(self, ref: MediaRef) -> bytes:
         """The medium's bytes; an image's header is checked (format, size, pixels)."""

@@ -86,6 +86,8 @@ def _metrics_lifespan(
         state.metrics = GatewayMetrics(http, state.dispatcher, state.model.prompt_cache, sessions)
         if (gate := getattr(app, "auth_gate", None)) is not None:
             state.metrics.registry.register(gate)
+        if (media := state.get("media")) is not None:
+            state.metrics.registry.register(media)  # NOTE: agentgate_media_* (gateway.media)
         try:
             yield
         finally:

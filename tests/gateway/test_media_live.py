@@ -12,6 +12,7 @@ import io
 import os
 import signal
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import numpy as np
 import openai
 import pytest
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.encoders.clips import make_clip
 from tests.gateway.live import LiveGateway, live_gateway
@@ -206,3 +208,25 @@ def test_the_encoder_dies_with_a_killed_serve(demo_model_dir: Path, tmp_path: Pa
         serve.proc.wait()
         wait_until(lambda: proc_state(encoder) in (None, "Z"), 20,
                    "the encoder of a SIGKILLed serve stops")
+
+
+def test_media_metrics(gateway: LiveGateway, client: openai.OpenAI) -> None:
+    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        with urllib.request.urlopen(f"{gateway.base_url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    before = scrape()
+    _chat(client, _messages(_jpeg(30)))
+    with pytest.raises(openai.BadRequestError):
+        _chat(client, [{"role": "user", "content": [_image_part(b"%PDF-1.7 x", "image/png")]}])
+    after = scrape()
+
+    def grew(name: str, **labels: str) -> float:
+        key = (f"agentgate_media_{name}_total", tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert grew("items", kind="image") == 1  # NOTE: the refused one never reached the encoder
+    assert grew("tokens") == TPI and grew("bytes") > 0
+    assert grew("rejected", code="invalid_media") == 1
