@@ -7,6 +7,11 @@ Two dialects exist for the same architecture:
 * the ``transformers`` dialect (``layer_types``, ``mlp_layer_types``, ``rope_parameters``,
   ``sliding_window``), where SWA layers have twice the full layers' KV heads and always a sink.
 
+The official XiaomiMiMo checkpoints (``architectures: ["MiMoV2ForCausalLM"]``) use the hub dialect
+plus ``attention_projection_layout: "fused_qkv"`` and an fp8 ``quantization_config`` with
+128 x 128 block scales; both are parsed here (``attention_projection_layout``, ``quantization``)
+and undone by the loader (``engine.models.official``).
+
 ``ModelConfig.from_dict`` reads either into one normalized form and rejects what the engine does not
 implement with a ``ConfigError`` naming the key.
 
@@ -25,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 FULL = "full_attention"
+SPLIT_QKV = "split"
+FUSED_QKV = "fused_qkv"
+ARCHITECTURES = ("MiMoV2FlashForCausalLM", "MiMoV2ForCausalLM")
 SWA = "sliding_attention"
 DENSE = "dense"
 SPARSE = "sparse"
@@ -53,6 +61,18 @@ class AttentionGeometry:
 
 
 @dataclass(frozen=True, slots=True)
+class Fp8BlockQuantization:
+    """``quantization_config`` of a block-scaled fp8 (e4m3) checkpoint, dequantized on load.
+
+    ``ignored_layers`` (module names, e.g. ``model.layers.0.self_attn.o_proj``) are stored
+    unquantized; the loader goes by each tensor's dtype, so this list only matters to writers.
+    """
+
+    weight_block_size: tuple[int, int]
+    ignored_layers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -77,6 +97,8 @@ class ModelConfig:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None = None
+    attention_projection_layout: str = SPLIT_QKV
+    quantization: Fp8BlockQuantization | None = None
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -267,16 +289,19 @@ def _parse(r: _Reader) -> ModelConfig:
         max_position_embeddings=r.int("max_position_embeddings", 131072),
         eos_token_ids=eos_ids,
         torch_dtype=r.raw.get("torch_dtype") or r.raw.get("dtype"),
+        attention_projection_layout=_projection_layout(r),
+        quantization=_quantization(r),
     )
 
 
 def _reject_unsupported(r: _Reader) -> None:
     act = r.raw.get("hidden_act", "silu")
     _check(act == "silu", "hidden_act", f"{act!r} is not supported (only 'silu')")
+    arch = r.raw.get("architectures")
     _check(
-        not r.has("quantization_config"),
-        "quantization_config",
-        "quantized checkpoints are not supported; convert the weights to bf16/fp32 first",
+        arch is None or (isinstance(arch, list) and bool(set(arch) & set(ARCHITECTURES))),
+        "architectures",
+        f"{arch!r} names no MiMo-V2 causal LM (expected one of {list(ARCHITECTURES)})",
     )
     _check(
         r.raw.get("rope_scaling") in (None, {}),
@@ -298,6 +323,53 @@ def _reject_unsupported(r: _Reader) -> None:
         types in ("mimo_v2_flash", "mimo_v2"),
         "model_type",
         f"{types!r} is not a MiMo-V2 model (expected 'mimo_v2_flash')",
+    )
+
+
+def _projection_layout(r: _Reader) -> str:
+    layout = r.get("attention_projection_layout", SPLIT_QKV)
+    _check(
+        layout in (SPLIT_QKV, FUSED_QKV),
+        "attention_projection_layout",
+        f"{layout!r} is not supported (only {SPLIT_QKV!r} or {FUSED_QKV!r})",
+    )
+    return str(layout)
+
+
+def _quantization(r: _Reader) -> Fp8BlockQuantization | None:
+    """Only DeepSeek-style block fp8: e4m3 weights, ``weight_scale_inv`` per block, dynamic
+    activations (we dequantize on load, so activation scales would be ignored: refuse static)."""
+    q = r.raw.get("quantization_config")
+    if q is None:
+        return None
+    key = "quantization_config"
+    _check(isinstance(q, dict), key, f"must be an object, got {q!r}")
+    method = q.get("quant_method")
+    _check(method == "fp8", f"{key}.quant_method", f"{method!r} is not supported (only 'fp8')")
+    fmt = q.get("fmt", "e4m3")
+    _check(fmt == "e4m3", f"{key}.fmt", f"{fmt!r} is not supported (only 'e4m3')")
+    act = q.get("activation_scheme", "dynamic")
+    _check(
+        act == "dynamic",
+        f"{key}.activation_scheme",
+        f"{act!r} is not supported (only 'dynamic')",
+    )
+    block = q.get("weight_block_size")
+    _check(
+        isinstance(block, list)
+        and len(block) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block),
+        f"{key}.weight_block_size",
+        f"must be two positive integers (per-tensor fp8 is not supported), got {block!r}",
+    )
+    ignored = q.get("ignored_layers") or q.get("modules_to_not_convert") or []
+    _check(
+        isinstance(ignored, list) and all(isinstance(m, str) for m in ignored),
+        f"{key}.ignored_layers",
+        f"must be a list of module names, got {ignored!r}",
+    )
+    return Fp8BlockQuantization(
+        weight_block_size=(block[0], block[1]), ignored_layers=tuple(ignored)
     )
 
 
