@@ -51,6 +51,8 @@ class EngineConfig:
         model_id: names the model in L3 keys (with the KV geometry); None: derived from the
             checkpoint (config.json and a sample of the weight files).
         dtype, device: for "native"; device None = CUDA when available.
+        qkv_tp_size: the tensor-parallel chunking of an official checkpoint's fused ``qkv_proj``
+            (``engine.models.official``); None: worked out from the tensor shapes.
     """
 
     model_path: str | None = None
@@ -71,11 +73,13 @@ class EngineConfig:
     model_id: str | None = None
     dtype: str = "auto"
     device: str | None = None
+    qkv_tp_size: int | None = None
 
     def __post_init__(self) -> None:
         p = self.page_size
         assert p > 0 and p & (p - 1) == 0, f"page_size={p}: must be a power of 2"
         assert self.backend in ("native", "sim"), f"backend={self.backend!r}: native or sim"
+        assert self.qkv_tp_size is None or self.qkv_tp_size >= 1, f"{self.qkv_tp_size=}: >= 1"
         ci = self.checkpoint_interval_tokens
         assert ci >= 0 and ci % p == 0, f"checkpoint_interval_tokens={ci}: a multiple of {p}"
         assert self.kv_budget_bytes > 0, f"kv_budget_bytes={self.kv_budget_bytes}: must be > 0"

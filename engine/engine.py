@@ -384,7 +384,8 @@ class Engine:
             return None
         from engine.models.loader import load_model
 
-        return load_model(_require_path(self.cfg), dtype=self.cfg.dtype, device=_device(self.cfg))
+        return load_model(_require_path(self.cfg), dtype=self.cfg.dtype, device=_device(self.cfg),
+                          qkv_tp_size=self.cfg.qkv_tp_size)
 
     def _make_runner(self, model: object, cost: object | None) -> Runner:
         if model is None:

@@ -5,6 +5,8 @@
 ``hybrid_layer_pattern``/``moe_layer_freq``/``sliding_window_size`` = W), so the files load in this
 engine, in ``transformers`` and in SGLang alike. ``write_random_checkpoint`` writes config.json and
 safetensors in the hub layout (per-expert weights); the same arguments give the same bytes.
+``write_official_checkpoint`` writes the same weights in the official XiaomiMiMo layout (fused qkv
+in TP chunks, block fp8 with ``weight_scale_inv``; see ``engine.models.official``).
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from engine.model_config import ModelConfig
+from engine.model_config import FUSED_QKV, ModelConfig
+from engine.models import official
 from engine.models.mimo_v2 import MiMoV2ForCausalLM
 
+Tensors = dict[str, torch.Tensor]
 _KEEP_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
 
@@ -150,9 +154,12 @@ def write_random_checkpoint(
     ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1^2), sinks ~ N(0, 1), embeddings ~ N(0, 1).
     ``max_shard_bytes`` splits the tensors over several files with an index, as the hub does.
     """
-    out = Path(model_dir)
-    out.mkdir(parents=True, exist_ok=True)
     config = {**config, "torch_dtype": dtype}
+    return _write(Path(model_dir), config, random_state(config, seed, dtype), max_shard_bytes)
+
+
+def random_state(config: dict[str, Any], seed: int = 0, dtype: str = "float32") -> Tensors:
+    """The weights ``write_random_checkpoint`` writes, by our (hub) parameter names."""
     with torch.device("meta"):
         model = MiMoV2ForCausalLM(ModelConfig.from_dict(config))
     gen = torch.Generator().manual_seed(seed)
@@ -162,6 +169,76 @@ def write_random_checkpoint(
     }
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
+    return tensors
+
+
+def write_official_checkpoint(
+    model_dir: str | Path,
+    config: dict[str, Any],
+    *,
+    seed: int = 0,
+    state: Tensors | None = None,
+    qkv_tp_size: int = 1,
+    block: tuple[int, int] = (128, 128),
+    ignored_layers: tuple[str, ...] = (),
+    dtype: str = "bfloat16",
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """Write ``state`` (default: ``random_state(config, seed)``) in the official layout.
+
+    ``architectures: ["MiMoV2ForCausalLM"]``, ``attention_projection_layout: "fused_qkv"``
+    (``qkv_tp_size`` chunks) and an fp8 ``quantization_config``: every 2-D ``*_proj.weight`` not in
+    ``ignored_layers`` (module names) becomes e4m3 + ``weight_scale_inv`` (power-of-two scales, so
+    dequantizing is exact); the other tensors are stored as ``dtype`` (router gate stays fp32).
+    """
+    cfg = ModelConfig.from_dict(config)
+    state = dict(random_state(config, seed) if state is None else state)
+    fused = _fuse_qkv(state, cfg, qkv_tp_size)
+    tensors: Tensors = {}
+    for name, t in sorted(state.items()):
+        if name.endswith("_proj.weight") and name.rsplit(".", 1)[0] not in ignored_layers:
+            chunks = qkv_tp_size if name in fused else 1
+            tensors[name], tensors[name + official.SCALE_SUFFIX] = official.quantize_blocks(
+                t, block, chunks
+            )
+        else:
+            tensors[name] = t.float() if name.endswith(_KEEP_FP32) else t.to(getattr(torch, dtype))
+    quant = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+        "ignored_layers": list(ignored_layers),
+    }
+    config = {
+        **config,
+        "architectures": ["MiMoV2ForCausalLM"],
+        "model_type": "mimo_v2",
+        "attention_projection_layout": FUSED_QKV,
+        "quantization_config": quant,
+        "torch_dtype": dtype,
+    }
+    return _write(Path(model_dir), config, tensors, max_shard_bytes)
+
+
+def _fuse_qkv(state: Tensors, cfg: ModelConfig, tp: int) -> set[str]:
+    """Replace each layer's q/k/v_proj in ``state`` by one qkv_proj; returns the fused names."""
+    fused = set()
+    for i in range(cfg.num_hidden_layers):
+        prefix = f"model.layers.{i}.self_attn"
+        for kind in ("weight", "bias"):
+            parts = [state.pop(f"{prefix}.{p}_proj.{kind}", None) for p in "qkv"]
+            if all(p is not None for p in parts):
+                name = f"{prefix}.qkv_proj.{kind}"
+                state[name] = official.fuse_qkv(*parts, cfg.geometry(i), tp)  # type: ignore[misc]
+                fused.add(name)
+    return fused
+
+
+def _write(
+    out: Path, config: dict[str, Any], tensors: Tensors, max_shard_bytes: int | None
+) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
     _save(out, tensors, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
@@ -183,7 +260,7 @@ def _init(
     return t if name.endswith(_KEEP_FP32) else t.to(dtype)
 
 
-def _save(out: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None) -> None:
+def _save(out: Path, tensors: Tensors, max_shard_bytes: int | None) -> None:
     metadata = {"format": "pt"}
     if max_shard_bytes is None:
         save_file(tensors, str(out / "model.safetensors"), metadata=metadata)

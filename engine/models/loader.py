@@ -2,9 +2,12 @@
 
 Accepted tensor layouts: the hub's per-expert weights (``mlp.experts.{e}.gate_proj.weight``) and
 transformers' fused ones (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj``);
-``self_attn.sinks`` as an alias of ``self_attn.attention_sink_bias``. MTP heads (``model.mtp.*``)
-and the vision tower (``vision_tower.*``) are skipped. Anything else that is missing, extra or
-mis-shaped is a ``CheckpointError`` naming it.
+``self_attn.sinks`` as an alias of ``self_attn.attention_sink_bias``; the official XiaomiMiMo
+layout (``engine.models.official``): a TP-chunked fused ``self_attn.qkv_proj`` and block-fp8
+weights with ``<name>_scale_inv`` (possibly in another shard file), dequantized to the run dtype.
+MTP heads (``model.mtp.*``) and the vision tower (``vision_tower.*``) are skipped. Anything else
+that is missing, extra or mis-shaped (a missing, unused or mis-shaped scale included) is a
+``CheckpointError`` naming it.
 """
 
 from __future__ import annotations
@@ -12,19 +15,22 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from engine.layers.moe import Router
-from engine.model_config import ModelConfig
+from engine.model_config import FUSED_QKV, ModelConfig
+from engine.models import official
 from engine.models.mimo_v2 import MiMoV2ForCausalLM
 
 # NOTE: the vision tower's tensors (``vision_tower.*``) may share the model dir (issue 13): the
 # encoder service loads them (``encoders.vision.load_tower``), never the LLM
 _IGNORED = re.compile(r"^model\.mtp\.|^vision_tower\.|rotary_emb\.inv_freq$")
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_FUSED_QKV = re.compile(r"^(model\.layers\.(\d+)\.self_attn)\.qkv_proj\.(weight|bias)$")
 _MAX_LISTED = 8
 
 
@@ -46,9 +52,17 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
 
 
 def load_model(
-    model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu"
+    model_dir: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    *,
+    qkv_tp_size: int | None = None,
 ) -> MiMoV2ForCausalLM:
     """Build the model for ``model_dir/config.json`` and fill it from its safetensors files.
+
+    Args:
+        qkv_tp_size: the TP chunks of a fused ``qkv_proj`` (official layout); None detects it
+            from the fp8 scale grids and fails when that is ambiguous.
 
     Raises:
         FileNotFoundError: no config.json or no safetensors file.
@@ -64,7 +78,7 @@ def load_model(
     for module in model.modules():
         if isinstance(module, Router):
             module.float()  # the gate and its bias stay fp32, as in the checkpoint
-    _fill(model, _read_tensors(Path(model_dir)))
+    _fill(model, _read_tensors(Path(model_dir), cfg, qkv_tp_size))
     return model.eval().requires_grad_(False)
 
 
@@ -86,17 +100,116 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _read_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                if not _IGNORED.search(name):
-                    yield from _normalize(name, f.get_tensor(name))
+def _read_tensors(
+    model_dir: Path, cfg: ModelConfig, qkv_tp_size: int | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    with _Shards(safetensors_files(model_dir)) as shards:
+        names = [n for n in shards.names if not _IGNORED.search(n)]
+        is_fused = cfg.attention_projection_layout == FUSED_QKV
+        tp = _qkv_tp(cfg, shards, qkv_tp_size) if is_fused else 1
+        used_scales: set[str] = set()
+        for name in names:
+            if not name.endswith(official.SCALE_SUFFIX):
+                tensor = _dequantized(name, shards, cfg, tp, used_scales)
+                yield from _normalize(name, tensor, cfg, tp)
+        scales = (n for n in names if n.endswith(official.SCALE_SUFFIX))
+        unused = sorted(n for n in scales if n not in used_scales)
+        if unused:
+            raise CheckpointError(
+                f"checkpoint has {len(unused)} scale(s) of no fp8 weight: {_listing(unused)}"
+            )
 
 
-def _normalize(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+class _Shards:
+    """Every tensor of a checkpoint's files by name, the files held open (a weight and its
+    ``_scale_inv`` may sit in different shards)."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self._stack = ExitStack()
+        self._where: dict[str, object] = {}
+        for path in files:
+            f = self._stack.enter_context(safe_open(str(path), framework="pt"))
+            self._where.update(dict.fromkeys(f.keys(), f))
+
+    def __enter__(self) -> _Shards:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def get(self, name: str) -> torch.Tensor | None:
+        f = self._where.get(name)
+        return None if f is None else f.get_tensor(name)  # type: ignore[attr-defined]
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        f = self._where.get(name)
+        return None if f is None else tuple(f.get_slice(name).get_shape())  # type: ignore[attr-defined]
+
+
+def _dequantized(
+    name: str, shards: _Shards, cfg: ModelConfig, tp: int, used_scales: set[str]
+) -> torch.Tensor:
+    tensor = shards.get(name)
+    assert tensor is not None
+    if tensor.dtype != official.FP8:
+        return tensor
+    scale_name = name + official.SCALE_SUFFIX
+    if cfg.quantization is None:
+        raise CheckpointError(f"tensor {name!r} is fp8 but config.json has no quantization_config")
+    scale = shards.get(scale_name)
+    if scale is None:
+        raise CheckpointError(f"fp8 tensor {name!r} has no scale {scale_name!r}")
+    if tensor.dim() != 2:
+        raise CheckpointError(f"fp8 tensor {name!r} is {tensor.dim()}-D; only 2-D weights are")
+    used_scales.add(scale_name)
+    chunks = tp if _FUSED_QKV.match(name) else 1
+    try:
+        return official.dequantize_blocks(tensor, scale, cfg.quantization.weight_block_size, chunks)
+    except ValueError as e:
+        raise CheckpointError(f"{scale_name!r}: {e}") from e
+
+
+def _qkv_tp(cfg: ModelConfig, shards: _Shards, qkv_tp_size: int | None) -> int:
+    """The TP chunks of the fused qkv_proj tensors, checked against every layer's shapes."""
+    # NOTE: without a quantization_config the scales are not read (an fp8 tensor fails later)
+    block = cfg.quantization.weight_block_size[0] if cfg.quantization else None
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        name = f"model.layers.{i}.self_attn.qkv_proj.weight"
+        shape = shards.shape(name)
+        if shape is not None:  # a missing one is reported with the other missing tensors
+            scale = shards.shape(name + official.SCALE_SUFFIX) if block else None
+            layers.append((name, cfg.geometry(i), shape[0], None if scale is None else scale[0]))
+    if not layers:  # no fused tensor at all: nothing to un-fuse, what is missing is reported
+        return qkv_tp_size or 1
+    if qkv_tp_size is not None:
+        for name, geo, rows, scale_rows in layers:
+            if not official.fits_tp(geo, qkv_tp_size, rows, scale_rows, block or 1):
+                raise CheckpointError(
+                    f"tensor {name!r} ({rows} rows, {scale_rows} scale rows) is not a fused "
+                    f"qkv_proj of {geo.num_heads} q / {geo.num_kv_heads} kv heads in "
+                    f"{qkv_tp_size} TP chunks"
+                )
+        return qkv_tp_size
+    try:
+        shapes = [(g, r, s) for _, g, r, s in layers]
+        return official.detect_qkv_tp(shapes, block or 1, "qkv_proj")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
+
+
+def _normalize(
+    name: str, tensor: torch.Tensor, cfg: ModelConfig, tp: int
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Map one checkpoint tensor to our parameter name(s)."""
     name = name.replace("self_attn.sinks", "self_attn.attention_sink_bias")
+    if cfg.attention_projection_layout == FUSED_QKV and _FUSED_QKV.match(name):
+        yield from _split_qkv(name, tensor, cfg, tp)
+        return
     fused = _FUSED_EXPERTS.match(name)
     if fused is None:
         yield name, tensor
@@ -113,6 +226,23 @@ def _normalize(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Ten
             gate, up = tensor[e].chunk(2, dim=0)
             yield f"{prefix}.{e}.gate_proj.weight", gate
             yield f"{prefix}.{e}.up_proj.weight", up
+
+
+def _split_qkv(
+    name: str, tensor: torch.Tensor, cfg: ModelConfig, tp: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    match = _FUSED_QKV.match(name)
+    assert match is not None
+    prefix, layer, kind = match.groups()
+    geo = cfg.geometry(int(layer))
+    rows = official.qkv_rows(geo, tp)
+    if rows is None or tensor.shape[0] != rows.total * tp:
+        raise CheckpointError(
+            f"tensor {name!r} has shape {tuple(tensor.shape)}, not a fused qkv_proj of "
+            f"{geo.num_heads} q / {geo.num_kv_heads} kv heads in {tp} TP chunks"
+        )
+    for part, t in zip(("q_proj", "k_proj", "v_proj"), official.split_qkv(tensor, geo, tp)):
+        yield f"{prefix}.{part}.{kind}", t
 
 
 def _fill(model: MiMoV2ForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:

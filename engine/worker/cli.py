@@ -129,6 +129,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> list[argparse
         add("--cost", choices=COSTS, default="cpu", help="sim backend step-time preset"),
         add("--dtype", help="native backend: float32, bfloat16 or auto"),
         add("--device", help="native backend: cpu or cuda (default: cuda if available)"),
+        add("--qkv-tp-size", type=int,
+            help="native backend: the tensor-parallel chunks of an official checkpoint's fused "
+                 "qkv_proj (default: worked out from the shapes; needed when they are "
+                 "ambiguous)"),
         add("--grammar-timeout-s", type=float, default=10.0,
             help="a grammar compiling longer fails with invalid_grammar (default: %(default)s)"),
         add("--max-grammar-bytes", type=int, default=256 * 2**10,
@@ -170,7 +174,7 @@ def engine_config(args: argparse.Namespace, env: Mapping[str, str] | None = None
         checkpoint_interval_tokens=args.checkpoint_interval_tokens,
         gcache=args.gcache, gcache_wait_s=args.gcache_wait_s,
         hibernate_after_s=args.hibernate_after_s, layerwise_load=args.layerwise_load,
-        dtype=args.dtype, device=args.device,
+        dtype=args.dtype, device=args.device, qkv_tp_size=args.qkv_tp_size,
     )
 
 
