@@ -56,6 +56,7 @@ def test_native_session_resumes_on_another_worker_process(tiny_model_dir, tmp_pa
         ca, cb = connect(a.listen), connect(b.listen)
         history: list[int] = []
         got, finished = [], []
+        written = 0
         for t, msg in enumerate(msgs):
             history += msg
             client = ca if t < 2 else cb
@@ -63,6 +64,11 @@ def test_native_session_resumes_on_another_worker_process(tiny_model_dir, tmp_pa
             got.append(tokens)
             finished.append(end)
             history += tokens
+            if t < 2:
+                # NOTE: the write-through is asynchronous (one job per finished request): B
+                # may look only once A's job for this turn is confirmed
+                _wait_written(ca, written + 1)
+                written = _written(ca)
     want = []
     history = []
     for msg in msgs:
