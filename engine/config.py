@@ -53,6 +53,12 @@ class EngineConfig:
         dtype, device: for "native"; device None = CUDA when available.
         qkv_tp_size: the tensor-parallel chunking of an official checkpoint's fused ``qkv_proj``
             (``engine.models.official``); None: worked out from the tensor shapes.
+        speculative_tokens: K, the tokens the checkpoint's MTP layers draft per decode step (one
+            MTP layer each, so at most ``num_nextn_predict_layers``); 0: no speculation. Native
+            backend only (``engine.spec``).
+        mtp_prefill: "window" (default): a prompt's MTP layers compute only the rows the first
+            drafts need (the last ~K * W positions, SWA-aware); "full": every position (the
+            naive baseline that ``loadtest/bench_mtp.py`` measures against). Same drafts.
     """
 
     model_path: str | None = None
@@ -74,12 +80,17 @@ class EngineConfig:
     dtype: str = "auto"
     device: str | None = None
     qkv_tp_size: int | None = None
+    speculative_tokens: int = 0
+    mtp_prefill: str = "window"
 
     def __post_init__(self) -> None:
         p = self.page_size
         assert p > 0 and p & (p - 1) == 0, f"page_size={p}: must be a power of 2"
         assert self.backend in ("native", "sim"), f"backend={self.backend!r}: native or sim"
         assert self.qkv_tp_size is None or self.qkv_tp_size >= 1, f"{self.qkv_tp_size=}: >= 1"
+        if self.speculative_tokens < 0:
+            raise ValueError(f"speculative_tokens={self.speculative_tokens}: must be >= 0")
+        assert self.mtp_prefill in ("window", "full"), f"{self.mtp_prefill=}: window or full"
         ci = self.checkpoint_interval_tokens
         assert ci >= 0 and ci % p == 0, f"checkpoint_interval_tokens={ci}: a multiple of {p}"
         assert self.kv_budget_bytes > 0, f"kv_budget_bytes={self.kv_budget_bytes}: must be > 0"

@@ -6,6 +6,12 @@ the three agree by construction. Step time is
 
     t = step_overhead_s + prefill_s_per_token * prefill tokens
         + decode_s_per_token * decode tokens + attn_s_per_qk * (query, key) pairs attended
+        + mtp_draft_s_per_token * tokens drafted
+
+With MTP (``EngineConfig.speculative_tokens`` = K) a decode step verifies its K drafts as K + 1
+decode tokens, and the sim accepts each draft with probability ``mtp_acceptance`` (the first
+rejection ends the step's run), so a replay can model MTP: the acceptance length is
+(1 - a^(K+1)) / (1 - a).
 """
 
 from __future__ import annotations
@@ -21,11 +27,20 @@ class CostModel(msgspec.Struct, frozen=True):
     prefill_s_per_token: float = 3.6e-5
     decode_s_per_token: float = 1.31e-4
     attn_s_per_qk: float = 3.0e-7
+    # MTP (issue 14): one MTP layer's row per drafted token; P(a draft is accepted)
+    mtp_draft_s_per_token: float = 0.0
+    mtp_acceptance: float = 0.0
 
-    def step_time(self, prefill_tokens: int, decode_tokens: int, qk_pairs: int) -> float:
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.mtp_acceptance < 1.0:
+            raise ValueError(f"mtp_acceptance={self.mtp_acceptance}: must be in [0, 1)")
+
+    def step_time(self, prefill_tokens: int, decode_tokens: int, qk_pairs: int,
+                  drafted_tokens: int = 0) -> float:
         return (self.step_overhead_s + self.prefill_s_per_token * prefill_tokens
                 + self.decode_s_per_token * decode_tokens
-                + self.attn_s_per_qk * qk_pairs)
+                + self.attn_s_per_qk * qk_pairs
+                + self.mtp_draft_s_per_token * drafted_tokens)
 
 
 # An H200-class node serving MiMo-V2-Flash (DP 2 x TP 4). Decode: SGLang's day-0 blog reports

@@ -73,6 +73,33 @@ class EngineStats:
     storage_errors: int = 0  # failed store calls (timeouts included)
     storage_corrupt: int = 0  # values that failed their checksum (read as misses)
     hibernated_sessions: int = 0
+    # MTP (engine.spec), all 0 without it
+    mtp_verify_steps: int = 0
+    mtp_draft_tokens: int = 0
+    mtp_accepted_tokens: int = 0
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """MTP verification so far (``engine.spec``): acceptance length = emitted / verify_steps."""
+
+    verify_steps: int = 0  # request-steps that verified drafts
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # of which accepted
+    emitted: int = 0  # tokens those steps emitted (accepted + one drawn by the base)
+
+    def record(self, counts: list[int], emitted: list[int]) -> None:
+        for c, e in zip(counts, emitted):
+            if c > 1:
+                self.verify_steps += 1
+                self.drafted += c - 1
+                self.accepted += e - 1
+                self.emitted += e
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens per verify step (1 + accepted drafts on average); 0 before any."""
+        return self.emitted / self.verify_steps if self.verify_steps else 0.0
 
 
 class Engine:
@@ -99,11 +126,27 @@ class Engine:
     ) -> None:
         self.cfg = cfg
         self.model_config = model_config or ModelConfig.from_dir(_require_path(cfg))
+        spec = cfg.speculative_tokens
         model = self.model = self._load_model()
         dtype_bytes = 2 if model is None else next(model.parameters()).dtype.itemsize
-        self.layout = KVLayout.from_model(self.model_config, cfg.page_size, dtype_bytes)
+        # NOTE: MTP layers keep their KV in the SWA pages, after the base model's SWA layers
+        kv_config = self.model_config
+        if spec:
+            from engine.models.mtp import mtp_model_config
+
+            kv_config = mtp_model_config(self.model_config, spec)
+        self.layout = KVLayout.from_model(kv_config, cfg.page_size, dtype_bytes)
         self.allocator = PageAllocator(self.layout, cfg.kv_budget_bytes)
         self.runner = self._make_runner(model, cost)
+        self.drafter = None
+        if spec and model is None:
+            self.runner.speculative_tokens = spec  # type: ignore[attr-defined]
+        elif spec:
+            from engine.spec import Drafter
+
+            self.drafter = Drafter(model, self.runner.pool, self.layout,  # type: ignore[attr-defined]
+                                   full_prefill=cfg.mtp_prefill == "full")
+        self.spec_stats = SpecStats()
         self.clock = clock
         self.host = self._make_host_tier(on_cache_event)
         self.cache = PrefixCache(self.allocator, enabled=cfg.enable_prefix_cache,
@@ -120,6 +163,7 @@ class Engine:
             max_running_requests=cfg.max_running_requests,
             max_waiting_requests=cfg.max_waiting_requests,
             ready=self._fetch_ready if self.storage is not None else None,
+            lookahead=spec,
         )
         self.eos_token_ids = _eos_ids(cfg.model_path, self.model_config)
         self.grammars = GrammarCompiler(cfg.model_path, self.model_config.vocab_size,
@@ -263,6 +307,8 @@ class Engine:
 
     def run_scheduled(self, batch: list[Scheduled]) -> list[Sequence]:
         """Forward an already scheduled batch, commit its KV and append sampled tokens."""
+        if self.cfg.speculative_tokens:
+            return self._run_speculative(batch)
         pages = [self._step_pages(s.seq, s.query_len) for s in batch]
         if self.host is not None and self.host.defer_loads:
             try:  # NOTE: the pages admitted from L2 in this step's schedule, copied in the forward
@@ -277,6 +323,148 @@ class Engine:
         if sampled is not None:
             self._append(sampling, sampled)
         return sampling
+
+    def _run_speculative(self, batch: list[Scheduled]) -> list[Sequence]:
+        """``run_scheduled`` with MTP (``engine.spec``): forward (verify rows included), draw
+        and accept, draft the next tokens, then commit what was accepted and finish. The sim
+        accepts drafts with the cost model's rate instead (``engine.sim``)."""
+        sampling = [i for i, s in enumerate(batch) if s.samples]
+        counts = [1 + batch[i].num_drafts for i in sampling]  # verify rows: the last ones
+        tokens_before = [s.seq.num_tokens for s in batch]
+        pages = [self._step_pages(s.seq, s.query_len) for s in batch]
+        if self.drafter is None:
+            hidden = None
+            emitted, finishes = self._verify_sim(batch, pages, sampling, counts)
+        else:
+            hidden, emitted, finishes = self._verify(batch, pages, sampling, counts)
+        self.spec_stats.record(counts, emitted)
+        committed = [s.query_len for s in batch]
+        for r, i in enumerate(sampling):
+            if counts[r] > 1:  # NOTE: a verify step commits what it emitted, the rest rolls back
+                committed[i] = emitted[r]
+        done = {id(q) for q, _ in finishes}
+        drafting = {i for i in sampling if id(batch[i].seq) not in done}
+        for s in batch:
+            s.seq.draft_ids = []
+        if hidden is not None:
+            from engine.spec import DraftJob
+
+            offsets = [0]
+            for s in batch:
+                offsets.append(offsets[-1] + s.query_len)
+            jobs = [DraftJob(s.seq, pages[i], hidden[offsets[i] : offsets[i + 1]],
+                             s.seq.num_computed, s.seq.num_computed + committed[i],
+                             draft=i in drafting, num_tokens=tokens_before[i])
+                    for i, s in enumerate(batch) if id(s.seq) not in done]
+            if jobs:
+                self.drafter.run(jobs)  # type: ignore[union-attr]
+                for job in jobs:
+                    job.seq.draft_ids = job.drafts
+        else:
+            for i in drafting:  # NOTE: the sim drafts placeholders: only their number counts
+                batch[i].seq.draft_ids = [0] * self.cfg.speculative_tokens
+        for s, n in zip(batch, committed):
+            self.kv.commit(s.seq, n)
+        for q, reason in finishes:
+            self.scheduler.finish(q, reason)
+        return [batch[i].seq for i in sampling]
+
+    def _verify(self, batch: list[Scheduled], pages: list[SeqPages], sampling: list[int],
+                counts: list[int]):  # noqa: ANN202 (hidden, emitted, finishes)
+        """The base forward, then rounds j = 0 .. K: each live request draws its row j exactly
+        as a step without MTP would, and stays live while the draw equals its draft j."""
+        from engine.model_runner import _text_only
+        from engine.sampler import grammar_mask, penalty_history, position_seed
+
+        runner = self.runner
+        if self.host is not None and self.host.defer_loads:
+            try:
+                hidden, _ = runner.forward(batch, pages, loads=self.host.take_loads())  # type: ignore[attr-defined]
+            finally:
+                self.host.loads_done()
+        else:
+            hidden, _ = runner.forward(batch, pages)  # type: ignore[attr-defined]
+        ends = []
+        end = 0
+        for s in batch:
+            end += s.query_len
+            ends.append(end)
+        rows = [ends[i] - c + j for i, c in zip(sampling, counts) for j in range(c)]
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        logits = self.model.compute_logits(hidden[rows]) if rows else None  # type: ignore[union-attr]
+        emitted = [0] * len(sampling)
+        finishes: list[tuple[Sequence, str]] = []
+        alive = list(range(len(sampling)))
+        vocab = self.model_config.vocab_size
+        for j in range(max(counts, default=0)):
+            live = [r for r in alive if j < counts[r]]
+            if not live:
+                break
+            assert logits is not None
+            seqs = [batch[sampling[r]].seq for r in live]
+            for q in seqs:
+                if q.generator is not None:
+                    q.generator.manual_seed(position_seed(q.params.seed, q.num_tokens))
+            step_logits = logits[[starts[r] + j for r in live]]
+            allowed = grammar_mask([q.grammar for q in seqs], step_logits.shape[-1],
+                                   step_logits.device)
+            out = runner.sampler.sample(  # type: ignore[attr-defined]
+                step_logits, [q.params for q in seqs], [q.generator for q in seqs], allowed,
+                history=_text_only(penalty_history(seqs), vocab))
+            tokens = out.token_ids.tolist()
+            alive = []
+            for idx, (r, q) in enumerate(zip(live, seqs)):
+                token = tokens[idx]
+                emitted[r] += 1
+                reason = self._emit(q, token, out, idx)
+                if reason is not None:
+                    finishes.append((q, reason))
+                elif j + 1 < counts[r] and token == q.draft_ids[j]:
+                    alive.append(r)
+        return hidden, emitted, finishes
+
+    def _verify_sim(self, batch: list[Scheduled], pages: list[SeqPages], sampling: list[int],
+                    counts: list[int]) -> tuple[list[int], list[tuple[Sequence, str]]]:
+        """The sim's verify: the usual draw, then each further draft accepted with the cost
+        model's rate (``SimRunner.accepts``), the tokens drawn as without MTP."""
+        runner = self.runner
+        sampled = runner.run(batch, pages)
+        emitted = [0] * len(sampling)
+        finishes: list[tuple[Sequence, str]] = []
+        for r, i in enumerate(sampling):
+            seq, out, row = batch[i].seq, sampled, r
+            for j in range(counts[r]):
+                if j:
+                    if not runner.accepts(seq):  # type: ignore[attr-defined]
+                        break
+                    out, row = runner.sample([seq]), 0  # type: ignore[attr-defined]
+                assert out is not None
+                emitted[r] += 1
+                reason = self._emit(seq, int(out.token_ids[row]), out, row)
+                if reason is not None:
+                    finishes.append((seq, reason))
+                    break
+        return emitted, finishes
+
+    def _emit(self, seq: Sequence, token: int, sampled: SampleOutput, row: int) -> str | None:
+        """Append one drawn token (logprobs, grammar); returns the finish reason it causes."""
+        seq.output_ids.append(token)
+        if seq.params.logprobs is not None and sampled.logprobs is not None:
+            seq.logprobs.append(float(sampled.logprobs[row]))
+            top = sampled.top_logprobs[row]
+            if seq.params.logprobs and top is not None:
+                seq.top_logprobs.append(tuple(top))
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
+        # NOTE: a complete grammar allows only EOS; with ignore_eos that EOS is not a stop id,
+        # but the grammar has ended all the same
+        if token in seq.stop_ids or (seq.grammar is not None and seq.grammar.is_terminated):
+            return "stop"
+        if len(seq.output_ids) >= seq.params.max_new_tokens:
+            return "length"
+        return None
 
     def flush_cache(self) -> int:
         """Forget every cached page that no request holds, in every tier; returns the number
@@ -297,6 +485,9 @@ class Engine:
             retained_pages=self.cache.retained_pages(),
             retains_expired=self.cache.retains_expired,
             **self._host_stats(), **self._storage_stats(),
+            mtp_verify_steps=self.spec_stats.verify_steps,
+            mtp_draft_tokens=self.spec_stats.drafted,
+            mtp_accepted_tokens=self.spec_stats.accepted,
         )
 
     # ------------------------------------------------------------------ internals
@@ -363,21 +554,9 @@ class Engine:
     def _append(self, seqs: list[Sequence], sampled: SampleOutput) -> None:
         tokens = sampled.token_ids.tolist()
         for i, seq in enumerate(seqs):
-            token = tokens[i]
-            seq.output_ids.append(token)
-            if seq.params.logprobs is not None and sampled.logprobs is not None:
-                seq.logprobs.append(float(sampled.logprobs[i]))
-                top = sampled.top_logprobs[i]
-                if seq.params.logprobs and top is not None:
-                    seq.top_logprobs.append(tuple(top))
-            if seq.grammar is not None:
-                seq.grammar.accept(token)
-            # NOTE: a complete grammar allows only EOS; with ignore_eos that EOS is not a stop
-            # id, but the grammar has ended all the same
-            if token in seq.stop_ids or (seq.grammar is not None and seq.grammar.is_terminated):
-                self.scheduler.finish(seq, "stop")
-            elif len(seq.output_ids) >= seq.params.max_new_tokens:
-                self.scheduler.finish(seq, "length")
+            reason = self._emit(seq, tokens[i], sampled, i)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
 
     def _load_model(self):  # noqa: ANN202 (MiMoV2ForCausalLM | None; torch stays lazy)
         if self.cfg.backend == "sim":
@@ -385,7 +564,8 @@ class Engine:
         from engine.models.loader import load_model
 
         return load_model(_require_path(self.cfg), dtype=self.cfg.dtype, device=_device(self.cfg),
-                          qkv_tp_size=self.cfg.qkv_tp_size)
+                          qkv_tp_size=self.cfg.qkv_tp_size,
+                          mtp_layers=self.cfg.speculative_tokens)
 
     def _make_runner(self, model: object, cost: object | None) -> Runner:
         if model is None:

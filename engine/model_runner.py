@@ -58,11 +58,7 @@ class ModelRunner:
         Raises:
             BaseException: a failed copy's error, or the forward's.
         """
-        ids = [s.seq.token(j) for s in batch for j in range(s.seq.num_computed,
-                                                            s.seq.num_computed + s.query_len)]
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        embeds = self._media_embeds(batch) if any(s.seq.media for s in batch) else None
-        hidden, kv = self._forward(input_ids, pages, loads, layerwise, embeds)
+        hidden, kv = self.forward(batch, pages, loads, layerwise)
         rows = [row for s, row in zip(batch, kv.last_token_rows()) if s.samples]
         if not rows:
             return None
@@ -76,6 +72,28 @@ class ModelRunner:
                                    [q.generator for q in sampling], allowed,
                                    history=_text_only(penalty_history(sampling),
                                                       logits.shape[-1]))
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        batch: Sequence[Scheduled],
+        pages: Sequence[SeqPages],
+        loads: Sequence[PageCopy] = (),
+        layerwise: bool = True,
+    ) -> tuple[torch.Tensor, PagedBatch]:
+        """The final hidden states of every scheduled token ([num_tokens, hidden]) and the KV
+        context they ran in; a verify step's rows take its drafts (``Sequence.step_token``)."""
+        ids: list[int] = []
+        for s in batch:
+            q, lo = s.seq, s.seq.num_computed
+            hi = lo + s.query_len
+            if hi <= len(q.prompt_ids):
+                ids += q.prompt_ids[lo:hi]
+            else:
+                ids += [q.step_token(j) for j in range(lo, hi)]
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        embeds = self._media_embeds(batch) if any(s.seq.media for s in batch) else None
+        return self._forward(input_ids, pages, loads, layerwise, embeds)
 
     def _media_embeds(self, batch: Sequence[Scheduled]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows of the flat batch, their embeddings) for the media rows this step computes;

@@ -288,6 +288,8 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True, kw_only=True):
             prompt tokens served from it, pages confirmed written, write jobs dropped (queue
             full), failed store calls (an outage: read as misses), corrupt values (misses),
             and ``hibernated_sessions``, sessions written out and dropped.
+        mtp_*: MTP speculation since start (issue 14; 0 without ``--mtp``): request-steps
+            that verified drafts, the draft tokens verified, and those accepted.
     """
 
     worker_id: str
@@ -310,6 +312,9 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True, kw_only=True):
     storage_errors: int = 0
     storage_corrupt: int = 0
     hibernated_sessions: int = 0
+    mtp_verify_steps: int = 0
+    mtp_draft_tokens: int = 0
+    mtp_accepted_tokens: int = 0
 
 
 class Replies(msgspec.Struct, tag="replies", frozen=True, kw_only=True):

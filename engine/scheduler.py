@@ -32,8 +32,14 @@ class Scheduled:
 
     @property
     def samples(self) -> bool:
-        """Whether this step computes the request's last known token (so a token is sampled)."""
-        return self.seq.num_computed + self.query_len == self.seq.num_tokens
+        """Whether this step computes the request's last known token (so a token is sampled;
+        with MTP drafts after it, one per draft verified too)."""
+        return self.seq.num_computed + self.query_len >= self.seq.num_tokens
+
+    @property
+    def num_drafts(self) -> int:
+        """The MTP drafts this step verifies (0 without speculation)."""
+        return max(0, self.seq.num_computed + self.query_len - self.seq.num_tokens)
 
 
 class Scheduler:
@@ -45,8 +51,12 @@ class Scheduler:
         max_running_requests: int,
         max_waiting_requests: int,
         ready: Callable[[Sequence], bool] | None = None,
+        lookahead: int = 0,
     ) -> None:
         self.kv = kv
+        # NOTE: MTP (engine.spec) writes its layers' KV up to K positions past a step's last
+        # token: those pages are reserved with the step's own
+        self.lookahead = lookahead
         # NOTE: a waiting request whose KV is still on its way from L3 is passed over until it
         # lands (or times out): the step loop never waits on it, the others go first
         self.ready = ready
@@ -90,7 +100,8 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: (s.num_uncomputed > 1, *_priority_key(s))):
             if budget == 0 or seq not in self.running:
                 continue
-            n = self._reserve_running(seq, min(seq.num_uncomputed, budget), batch)
+            todo = seq.num_uncomputed + (len(seq.draft_ids) if seq.num_uncomputed == 1 else 0)
+            n = self._reserve_running(seq, min(todo, budget), batch)
             if n:
                 batch.append(Scheduled(seq, n))
                 budget -= n
@@ -112,7 +123,7 @@ class Scheduler:
 
         Returns the tokens reserved; 0 when ``seq`` was preempted or failed (``is_finished``).
         """
-        while not self.kv.can_reserve(seq, n):
+        while not self.kv.can_reserve(seq, n + self.lookahead):
             if self.running == [seq]:
                 # NOTE: nothing else holds memory and the cache gave up all it could. Preempting
                 # the request itself would only bring it back to this very point (a livelock);
@@ -131,7 +142,7 @@ class Scheduler:
             self._preempt(victim)
             if victim is seq:
                 return 0
-        self.kv.reserve(seq, n)
+        self.kv.reserve(seq, n + self.lookahead)
         return n
 
     def _fitting_len(self, seq: Sequence, n: int) -> int:
@@ -139,7 +150,7 @@ class Scheduler:
         lo, hi = 0, n
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.kv.can_reserve(seq, mid):
+            if self.kv.can_reserve(seq, mid + self.lookahead):
                 lo = mid
             else:
                 hi = mid - 1
@@ -154,7 +165,7 @@ class Scheduler:
                 break
             self.kv.admit(seq)
             n = min(seq.num_uncomputed, budget)
-            if not self.kv.can_reserve(seq, n):
+            if not self.kv.can_reserve(seq, n + self.lookahead):
                 if self.running or batch:
                     self.kv.release(seq)
                     break  # head of line waits for memory (no starvation of big requests)
@@ -168,7 +179,7 @@ class Scheduler:
                     failed.append(seq)
                     continue
             self.waiting.remove(seq)
-            self.kv.reserve(seq, n)
+            self.kv.reserve(seq, n + self.lookahead)
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.append(Scheduled(seq, n))
@@ -194,6 +205,8 @@ class Scheduler:
         # NOTE: output_ids stay (only their KV is recomputed), so seq.grammar stays in step
         self.running.remove(seq)
         self.kv.release(seq)
+        seq.draft_ids.clear()
+        seq.mtp = None  # NOTE: restarts from the KV its next admission finds
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

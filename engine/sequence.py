@@ -89,6 +89,10 @@ class Sequence:
     pending_swa: list[int] = field(default_factory=list)
     swa_pinned: deque[Node] = field(default_factory=deque)
     branch_node: Node | None = None
+    # MTP speculation (engine.spec): the drafted tokens after token_ids, verified by the next
+    # step, and the MTP layers' progress (None until the first step after each admission)
+    draft_ids: list[int] = field(default_factory=list)
+    mtp: object | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -114,6 +118,11 @@ class Sequence:
     def token(self, i: int) -> int:
         n = len(self.prompt_ids)
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def step_token(self, i: int) -> int:
+        """Token ``i`` of ``token_ids`` followed by ``draft_ids`` (what a verify step feeds)."""
+        n = self.num_tokens
+        return self.token(i) if i < n else self.draft_ids[i - n]
 
 
 def media_rows(media: tuple[Media, ...], start: int, end: int

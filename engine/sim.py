@@ -14,6 +14,11 @@ The sim's "model" has the same logit (0) for every token it may draw. A request 
 (temperature, top-k, top-p, min-p; greedy picks among the top ties), with the same deterministic
 draw. ``repetition_penalty`` scales a logit of 0 to 0, so it changes nothing here.
 
+MTP (issue 14): with ``EngineConfig.speculative_tokens`` the engine drafts placeholder tokens, the
+cost model prices the drafts and the verify rows, and each draft is accepted with probability
+``CostModel.mtp_acceptance``; the tokens emitted are the same draws as without MTP (a function of
+the position), so only the pace and the number of steps change.
+
 Media (issue 13): the engine validates a request's media spans as for the native backend and
 keeps no embeddings (``Engine.needs_media_embeds`` is False: a sim worker fetches none); the
 placeholder ids count as prompt ids (page hashes, the seeded draw) like any other.
@@ -48,6 +53,7 @@ class SimRunner:
     def __init__(self, vocab_size: int, cost: CostModel | None = None) -> None:
         self.vocab_size = vocab_size
         self.cost = cost or CostModel()
+        self.speculative_tokens = 0  # K: the engine's MTP drafts per decode step (engine.spec)
         self.clock_s = 0.0
         self.last_step_s = 0.0
         # NOTE: seeded requests' prompt digests (hashing the prompt every step would cost O(len))
@@ -60,6 +66,10 @@ class SimRunner:
         sampling = [s.seq for s in batch if s.samples]
         if not sampling:
             return None
+        return self.sample(sampling)
+
+    def sample(self, sampling: Sequence[SeqState]) -> SampleOutput:
+        """Each request's token at its next position (``num_tokens``), without a clock tick."""
         # NOTE: a grammar's allowed ids are computed once per row (a bitmask per call)
         allowed = [
             q.grammar.allowed(self.vocab_size).nonzero()[0] if q.grammar is not None else None
@@ -82,12 +92,21 @@ class SimRunner:
     def advance_clock(self, batch: Sequence[Scheduled], pages: Sequence[SeqPages]) -> None:
         """Price one step with the cost model: ``last_step_s``, and ``clock_s`` moves by it.
         Only ``seq_len`` of each request's pages is read."""
-        prefill = sum(s.query_len for s in batch if s.query_len > 1)
-        decode = sum(s.query_len for s in batch if s.query_len == 1)
+        # NOTE: a verify step (a decode with MTP drafts) prices its rows as decode tokens
+        decode = sum(s.query_len for s in batch if s.query_len == 1 or s.num_drafts)
+        prefill = sum(s.query_len for s in batch) - decode
         # attention work: every query token attends to the keys before it (quadratic in prefill)
         read = sum(s.query_len * p.seq_len for s, p in zip(batch, pages))
-        self.last_step_s = self.cost.step_time(prefill, decode, read)
+        drafted = self.speculative_tokens * sum(1 for s in batch if s.samples)
+        self.last_step_s = self.cost.step_time(prefill, decode, read, drafted)
         self.clock_s += self.last_step_s
+
+    def accepts(self, seq: SeqState) -> bool:
+        """Whether the draft at the request's next position is accepted: probability
+        ``cost.mtp_acceptance``, a deterministic draw of (request id, position)."""
+        key = f"accept:{seq.request_id}:{seq.num_tokens}"
+        draw = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+        return draw / 2**64 < self.cost.mtp_acceptance
 
     def _num_choices(self, seq: SeqState, allowed: np.ndarray | None) -> int:
         if allowed is not None:

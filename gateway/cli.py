@@ -29,7 +29,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,7 @@ def init_demo_model(model_dir: Path, *, force: bool = False) -> Path:
     from encoders.vision import init_tower, save_tower
     from encoders.vision_config import demo_vision_config
     from engine.models.checkpoint import DEMO_CONFIG, DEMO_SEED, write_random_checkpoint
+    from engine.models.mtp_distill import distill_mtp
     from gateway.tokenizer import write_demo_tokenizer
 
     if model_dir.exists() and any(model_dir.iterdir()):
@@ -84,6 +85,8 @@ def init_demo_model(model_dir: Path, *, force: bool = False) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".agentgate-init-", dir=model_dir.parent))
     try:
         write_random_checkpoint(tmp, DEMO_CONFIG, seed=DEMO_SEED, dtype="float32")
+        # NOTE: MTP layers that predict the base model, so drafts get accepted (issue 14)
+        _distilled(tmp, lambda: distill_mtp(tmp, seed=DEMO_SEED))
         write_demo_tokenizer(tmp)
         # NOTE: a small random vision tower (16 tokens per 64x64 image), so the embedded
         # default takes images (issue 13)
@@ -93,6 +96,44 @@ def init_demo_model(model_dir: Path, *, force: bool = False) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return model_dir
+
+
+# NOTE: bump when the distillation or the demo checkpoint changes (the cache key's salt)
+_DISTILL_VERSION = "mtp-distill-1"
+
+
+def _distilled(model_dir: Path, distill: Callable[[], object]) -> None:
+    """Run ``distill`` on ``model_dir``'s safetensors, or copy its earlier result.
+
+    Distillation is deterministic (seeded, one thread) and takes ~20 s, so its output files are
+    kept under ``~/.cache/agentgate/mtp-distill/<digest of the input files>``; a cache that
+    cannot be written is skipped.
+    """
+    import hashlib
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    digest = hashlib.sha256(_DISTILL_VERSION.encode())
+    for f in files:
+        digest.update(f.name.encode() + f.read_bytes())
+    cached = Path.home() / ".cache" / "agentgate" / "mtp-distill" / digest.hexdigest()[:32]
+    if all((cached / f.name).is_file() for f in files):
+        for f in files:
+            shutil.copyfile(cached / f.name, f)
+        return
+    distill()
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cached.parent))
+    except OSError:
+        return
+    try:
+        for f in files:
+            shutil.copyfile(f, tmp / f.name)
+        os.replace(tmp, cached)  # NOTE: atomic; fails if another process got there first
+    except OSError:
+        pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def ensure_demo_model(model_dir: Path) -> Path:

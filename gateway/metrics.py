@@ -18,6 +18,7 @@ one observation per token delta. Everything runs on the gateway's event loop, so
     | worker_up, worker_in_flight_requests       | gauge     | worker           | WorkerClient  |
     | worker_running_requests, worker_waiting_requests | gauge | worker       | LoadReport    |
     | worker_{reconnects,new_instances}_total    | counter   | worker           | WorkerClient  |
+    | worker_mtp_{verify_steps,draft_tokens,accepted_tokens}_total | counter | worker | LoadReport |
     | dispatch_retries_total                     | counter   | reason           | Dispatcher    |
     | dispatch_migrations_total                  | counter   |                  | Dispatcher    |
     | worker_requests_total                      | counter   | worker           | Dispatcher    |
@@ -312,6 +313,11 @@ class GatewayMetrics:
         # the workers it spawned under that name; this one also sees attached workers
         new_instances = _counter("worker_new_instances", "Times another worker process "
                                  "(instance_id) answered on the worker's endpoint", labels)
+        # NOTE: MTP (--mtp K): acceptance length = 1 + accepted / verify_steps
+        mtp = {name: _counter(f"worker_mtp_{name}", help_, labels) for name, help_ in (
+            ("verify_steps", "Request-steps that verified MTP drafts (its last LoadReport)"),
+            ("draft_tokens", "MTP draft tokens verified (its last LoadReport)"),
+            ("accepted_tokens", "MTP draft tokens accepted (its last LoadReport)"))}
         for client in self.dispatcher.clients:
             key = [client.endpoint]
             up.add_metric(key, float(client.is_alive))
@@ -321,7 +327,12 @@ class GatewayMetrics:
             if client.is_alive and (load := client.last_load) is not None:
                 running.add_metric(key, load.num_running)
                 waiting.add_metric(key, load.num_waiting)
-        yield from (up, in_flight, running, waiting, reconnects, new_instances)
+                if load.mtp_verify_steps:
+                    for name, value in (("verify_steps", load.mtp_verify_steps),
+                                        ("draft_tokens", load.mtp_draft_tokens),
+                                        ("accepted_tokens", load.mtp_accepted_tokens)):
+                        mtp[name].add_metric(key, value)
+        yield from (up, in_flight, running, waiting, reconnects, new_instances, *mtp.values())
         retries = _counter("dispatch_retries", "Requests moved to another worker before their "
                            "first token, by reason (worker_lost, overloaded)", ["reason"])
         for reason in ("worker_lost", "overloaded"):

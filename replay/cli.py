@@ -85,6 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="length buckets and cache-first priority (gateway.routing.admission)")
     add("--retention", choices=("on", "off"), default="on",
         help="retain tool-call turns' KV for the learned pause (Engine.retain)")
+    add("--mtp", type=int, default=0, metavar="K",
+        help="model MTP speculative decoding on every worker: K drafts per decode step (0)")
+    add("--mtp-acceptance", type=float, default=0.7,
+        help="with --mtp: the probability a draft is accepted (0.7)")
     add("--jobs", type=int, default=2, help="policies replayed in parallel processes (2)")
     add("--json", dest="json_out", metavar="OUT", help="write the results as JSON")
     add("--plots", metavar="DIR", help="write PNG plots (needs matplotlib)")
@@ -187,7 +191,11 @@ def _setup(args: argparse.Namespace) -> tuple[WorkloadSpec, Any, list[str], list
             kv_budget_tokens=parse_tokens(args.kv_budget or preset.get("kv_budget", "1M")),
             block_size=block, cost=args.cost or preset.get("cost", "h200"),
             admission=args.admission == "on", retention=args.retention == "on",
-            rate_scale=args.rate_scale)
+            rate_scale=args.rate_scale, speculative_tokens=args.mtp,
+            mtp_acceptance=args.mtp_acceptance)
+        if args.mtp < 0 or not 0 <= args.mtp_acceptance < 1:
+            raise ValueError(f"--mtp={args.mtp} (>= 0), --mtp-acceptance={args.mtp_acceptance} "
+                             "(in [0, 1))")
     except AssertionError as e:
         raise ValueError(str(e)) from None
     scales = sorted({1.0, *(_floats(args.capacity, "--capacity"))}) if args.capacity else []

@@ -32,6 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import msgspec
+
 from engine.cost import COST_PRESETS, CostModel
 from engine.sampling_params import SamplingParams
 from gateway.routing.index import KVIndex
@@ -58,6 +60,9 @@ class ReplayConfig:
         rate_scale: arrival-rate multiplier (timestamps and think times divided by it).
         load_report_interval_s: how often each worker's LoadReport reaches the router.
         router_options: keyword options for ``make_router``.
+        speculative_tokens: MTP drafts per decode step on every worker (0: off).
+        mtp_acceptance: the probability a draft is accepted (``CostModel.mtp_acceptance``).
+        mtp_draft_s_per_token: the cost of drafting one token (``CostModel``).
     """
 
     num_workers: int = 8
@@ -73,6 +78,9 @@ class ReplayConfig:
     rate_scale: float = 1.0
     load_report_interval_s: float = 0.1
     router_options: dict[str, Any] = field(default_factory=dict)
+    speculative_tokens: int = 0
+    mtp_acceptance: float = 0.7
+    mtp_draft_s_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         assert self.num_workers >= 1, f"num_workers={self.num_workers}: must be >= 1"
@@ -87,10 +95,14 @@ class ReplayConfig:
 
     def worker_spec(self, policy: str) -> WorkerSpec:
         cost, n = COST_PRESETS[self.cost], self.num_workers
+        if self.speculative_tokens:
+            cost = msgspec.structs.replace(cost, mtp_acceptance=self.mtp_acceptance,
+                                           mtp_draft_s_per_token=self.mtp_draft_s_per_token)
         spec = WorkerSpec(page_size=self.page_tokens, kv_budget_tokens=self.kv_budget_tokens,
                           cost=cost, max_batched_tokens=self.max_batched_tokens,
                           max_running_requests=self.max_running_requests,
-                          checkpoint_interval_tokens=self.checkpoint_interval_tokens)
+                          checkpoint_interval_tokens=self.checkpoint_interval_tokens,
+                          speculative_tokens=self.speculative_tokens)
         if policy != GLOBAL:
             return spec
         return replace(spec, kv_budget_tokens=n * spec.kv_budget_tokens, cost=_pool_cost(cost, n),
@@ -393,7 +405,8 @@ def _pool_cost(cost: CostModel, n: int) -> CostModel:
     hardware does not have rather than a cache any router could reach.
     """
     return CostModel(cost.step_overhead_s, cost.prefill_s_per_token / n,
-                     cost.decode_s_per_token / n, cost.attn_s_per_qk / n)
+                     cost.decode_s_per_token / n, cost.attn_s_per_qk / n,
+                     cost.mtp_draft_s_per_token / n, cost.mtp_acceptance)
 
 
 def _make_admission() -> Any:

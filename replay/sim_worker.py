@@ -70,6 +70,7 @@ class WorkerSpec:
     max_batched_tokens: int = 8192
     max_running_requests: int = 64
     checkpoint_interval_tokens: int | None = None
+    speculative_tokens: int = 0  # MTP drafts per decode step (the cost model's acceptance)
 
     def engine_config(self) -> EngineConfig:
         extra = {}
@@ -80,7 +81,7 @@ class WorkerSpec:
             kv_budget_bytes=int(self.kv_budget_tokens * TOKEN_BYTES),
             max_num_batched_tokens=self.max_batched_tokens,
             max_running_requests=self.max_running_requests, max_waiting_requests=1 << 30,
-            keep_page_tokens=False, **extra,
+            keep_page_tokens=False, speculative_tokens=self.speculative_tokens, **extra,
         )
 
 

@@ -58,6 +58,9 @@ class SeqPages:
     swa_pages: list[int | None]
     num_cached: int  # tokens before this step whose KV is already in the pages
     query_len: int  # tokens this step computes
+    # SWA keys below this position are never read (an MTP layer's rows start there: what lies
+    # below was never written for this request, engine.spec)
+    min_pos: int = 0
 
     @property
     def seq_len(self) -> int:
@@ -94,6 +97,7 @@ class PagedBatch:
         layout: KVLayout,
         seqs: Sequence[SeqPages],
         wait_layer: Callable[[int], None] | None = None,
+        kinds: Sequence[PageKind] | None = None,
     ) -> None:
         assert seqs and all(s.query_len > 0 for s in seqs), "every sequence needs >= 1 query"
         self.pool, self.layout, self.seqs = pool, layout, list(seqs)
@@ -103,7 +107,8 @@ class PagedBatch:
             self._offsets.append(self._offsets[-1] + s.query_len)
         self._decode_ids = [i for i, s in enumerate(self.seqs) if s.query_len == 1]
         self._prefill_ids = [i for i, s in enumerate(self.seqs) if s.query_len > 1]
-        kinds = [k for k in PageKind if layout.num_layers(k) > 0]
+        # NOTE: ``kinds``: the layers this forward runs have these kinds only (MTP: SWA)
+        kinds = [k for k in (kinds or PageKind) if layout.num_layers(k) > 0]
         self._writes = {k: self._init_slot_mapping(k) for k in kinds}
         self._reads = {k: [self._init_reads(i, k) for i in self._prefill_ids] for k in kinds}
         self._decode_reads = {k: self._init_decode_reads(k) for k in kinds if self._decode_ids}
@@ -216,7 +221,7 @@ class PagedBatch:
     def _read_pages(self, seq: SeqPages, kind: PageKind) -> tuple[int, int, list[int]]:
         """(first position read, first page read, the page ids read) for one sequence."""
         size, window = self.layout.page_size, self.layout.window
-        first_pos = 0 if kind == PageKind.FULL else max(0, seq.num_cached - window)
+        first_pos = 0 if kind == PageKind.FULL else max(seq.min_pos, seq.num_cached - window)
         first_page, end_page = first_pos // size, num_pages(seq.seq_len, size)
         read = self._pages(seq, kind)[first_page:end_page]
         for i, page in enumerate(read, start=first_page):

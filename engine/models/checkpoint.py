@@ -6,7 +6,8 @@
 engine, in ``transformers`` and in SGLang alike. ``write_random_checkpoint`` writes config.json and
 safetensors in the hub layout (per-expert weights); the same arguments give the same bytes.
 ``write_official_checkpoint`` writes the same weights in the official XiaomiMiMo layout (fused qkv
-in TP chunks, block fp8 with ``weight_scale_inv``; see ``engine.models.official``).
+in TP chunks, block fp8 with ``weight_scale_inv``; see ``engine.models.official``). A config with
+``num_nextn_predict_layers`` = n > 0 gets n MTP layers (``model.mtp.layers.{i}.*``) in both.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from safetensors.torch import save_file
 from engine.model_config import FUSED_QKV, ModelConfig
 from engine.models import official
 from engine.models.mimo_v2 import MiMoV2ForCausalLM
+from engine.models.mtp import MTPHead, mtp_config_of
 
 Tensors = dict[str, torch.Tensor]
 _KEEP_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
@@ -136,6 +138,7 @@ DEMO_CONFIG = mimo_config(
     n_group=2,
     topk_group=1,
     eos_token_id=[258, 256],  # <|im_end|>, <|endoftext|> in the demo tokenizer
+    num_nextn_predict_layers=3,  # as MiMo-V2-Flash; distilled at init (engine.models.mtp_distill)
 )
 DEMO_SEED = 20251215
 
@@ -159,14 +162,19 @@ def write_random_checkpoint(
 
 
 def random_state(config: dict[str, Any], seed: int = 0, dtype: str = "float32") -> Tensors:
-    """The weights ``write_random_checkpoint`` writes, by our (hub) parameter names."""
+    """The weights ``write_random_checkpoint`` writes, by their hub names.
+
+    The MTP layers' are drawn after the base model's, so the base weights do not depend on them.
+    """
+    cfg = ModelConfig.from_dict(config)
+    num_mtp = mtp_config_of(config)
     with torch.device("meta"):
-        model = MiMoV2ForCausalLM(ModelConfig.from_dict(config))
+        params = sorted(MiMoV2ForCausalLM(cfg).named_parameters())
+        if num_mtp:
+            mtp = MTPHead(cfg, num_mtp).named_parameters(prefix="model.mtp")
+            params += sorted(mtp)
     gen = torch.Generator().manual_seed(seed)
-    tensors = {
-        name: _init(name, tuple(p.shape), gen, getattr(torch, dtype))
-        for name, p in sorted(model.named_parameters())
-    }
+    tensors = {name: _init(name, tuple(p.shape), gen, getattr(torch, dtype)) for name, p in params}
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
     return tensors
@@ -222,15 +230,20 @@ def write_official_checkpoint(
 
 
 def _fuse_qkv(state: Tensors, cfg: ModelConfig, tp: int) -> set[str]:
-    """Replace each layer's q/k/v_proj in ``state`` by one qkv_proj; returns the fused names."""
+    """Replace each layer's q/k/v_proj in ``state`` by one qkv_proj; returns the fused names.
+
+    MTP layers (SWA geometry) are fused as well."""
+    layers = [(f"model.layers.{i}", cfg.geometry(i)) for i in range(cfg.num_hidden_layers)]
+    mtp = sorted({int(n.split(".")[3]) for n in state if n.startswith("model.mtp.layers.")})
+    layers += [(f"model.mtp.layers.{i}", cfg.swa) for i in mtp]
     fused = set()
-    for i in range(cfg.num_hidden_layers):
-        prefix = f"model.layers.{i}.self_attn"
+    for layer, geo in layers:
+        prefix = f"{layer}.self_attn"
         for kind in ("weight", "bias"):
             parts = [state.pop(f"{prefix}.{p}_proj.{kind}", None) for p in "qkv"]
             if all(p is not None for p in parts):
                 name = f"{prefix}.qkv_proj.{kind}"
-                state[name] = official.fuse_qkv(*parts, cfg.geometry(i), tp)  # type: ignore[misc]
+                state[name] = official.fuse_qkv(*parts, geo, tp)  # type: ignore[misc]
                 fused.add(name)
     return fused
 

@@ -5,9 +5,12 @@ transformers' fused ones (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts
 ``self_attn.sinks`` as an alias of ``self_attn.attention_sink_bias``; the official XiaomiMiMo
 layout (``engine.models.official``): a TP-chunked fused ``self_attn.qkv_proj`` and block-fp8
 weights with ``<name>_scale_inv`` (possibly in another shard file), dequantized to the run dtype.
-MTP heads (``model.mtp.*``) and the vision tower (``vision_tower.*``) are skipped. Anything else
-that is missing, extra or mis-shaped (a missing, unused or mis-shaped scale included) is a
-``CheckpointError`` naming it.
+The vision tower (``vision_tower.*``) is skipped, and so are the MTP layers (``model.mtp.*``)
+unless ``mtp_layers=n`` asks for them: then ``model.mtp.layers.{i}.*`` for i < n fill
+``model.mtp`` (an ``MTPHead``; its parameters are ``mtp.layers.{i}.*``), in any of the layouts
+above (``pre_mlp_layernorm`` is an alias of ``post_attention_layernorm``), and layers i >= n are
+skipped. Anything else that is missing, extra or mis-shaped (a missing, unused or mis-shaped scale
+included) is a ``CheckpointError`` naming it.
 """
 
 from __future__ import annotations
@@ -22,15 +25,21 @@ import torch
 from safetensors import safe_open
 
 from engine.layers.moe import Router
-from engine.model_config import FUSED_QKV, ModelConfig
+from engine.model_config import FUSED_QKV, ConfigError, ModelConfig
 from engine.models import official
 from engine.models.mimo_v2 import MiMoV2ForCausalLM
+from engine.models.mtp import MTPHead, mtp_config_of
 
 # NOTE: the vision tower's tensors (``vision_tower.*``) may share the model dir (issue 13): the
 # encoder service loads them (``encoders.vision.load_tower``), never the LLM
-_IGNORED = re.compile(r"^model\.mtp\.|^vision_tower\.|rotary_emb\.inv_freq$")
+_IGNORED = re.compile(r"^vision_tower\.|rotary_emb\.inv_freq$")
+_MTP = re.compile(r"^model\.mtp\.layers\.(\d+)\.")
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_FUSED_QKV = re.compile(r"^(model\.layers\.(\d+)\.self_attn)\.qkv_proj\.(weight|bias)$")
+# NOTE: matches base layers (``model.layers.{i}``) and, after ``_mtp_name``, MTP layers
+# (``mtp.layers.{i}``); the checkpoint's ``model.mtp.layers.{i}`` too, for the fp8 chunk count
+_FUSED_QKV = re.compile(
+    r"^((?:model\.|model\.mtp\.|mtp\.)layers\.(\d+)\.self_attn)\.qkv_proj\.(weight|bias)$"
+)
 _MAX_LISTED = 8
 
 
@@ -57,28 +66,35 @@ def load_model(
     device: str | torch.device = "cpu",
     *,
     qkv_tp_size: int | None = None,
+    mtp_layers: int = 0,
 ) -> MiMoV2ForCausalLM:
     """Build the model for ``model_dir/config.json`` and fill it from its safetensors files.
 
     Args:
         qkv_tp_size: the TP chunks of a fused ``qkv_proj`` (official layout); None detects it
             from the fp8 scale grids and fails when that is ambiguous.
+        mtp_layers: load the first n MTP layers into ``model.mtp`` (0: none, ``model.mtp`` is
+            None and the checkpoint's ``model.mtp.*`` tensors are skipped).
 
     Raises:
         FileNotFoundError: no config.json or no safetensors file.
-        ConfigError: an unsupported or malformed config value.
+        ConfigError: an unsupported or malformed config value, or more MTP layers requested
+            than the config declares.
         CheckpointError: a missing, extra or mis-shaped tensor.
     """
     cfg = ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg)
+    _check_mtp_layers(Path(model_dir), mtp_layers)
     with torch.device("meta"):
         model = MiMoV2ForCausalLM(cfg)
+        if mtp_layers:
+            model.mtp = MTPHead(cfg, mtp_layers)
     model = model.to_empty(device=device).to(torch_dtype)
     model.tie_weights()
     for module in model.modules():
         if isinstance(module, Router):
             module.float()  # the gate and its bias stay fp32, as in the checkpoint
-    _fill(model, _read_tensors(Path(model_dir), cfg, qkv_tp_size))
+    _fill(model, _read_tensors(Path(model_dir), cfg, qkv_tp_size, mtp_layers))
     return model.eval().requires_grad_(False)
 
 
@@ -100,18 +116,31 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def _check_mtp_layers(model_dir: Path, mtp_layers: int) -> None:
+    if mtp_layers < 0:
+        raise ValueError(f"mtp_layers={mtp_layers}: must be >= 0")
+    if not mtp_layers:
+        return
+    declared = mtp_config_of(json.loads((model_dir / "config.json").read_text()))
+    if declared < mtp_layers:
+        raise ConfigError(
+            f"{mtp_layers} MTP layer(s) requested, but config.json declares {declared} "
+            f"(num_nextn_predict_layers)"
+        )
+
+
 def _read_tensors(
-    model_dir: Path, cfg: ModelConfig, qkv_tp_size: int | None
+    model_dir: Path, cfg: ModelConfig, qkv_tp_size: int | None, mtp_layers: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     with _Shards(safetensors_files(model_dir)) as shards:
-        names = [n for n in shards.names if not _IGNORED.search(n)]
+        names = [n for n in shards.names if not _skipped(n, mtp_layers)]
         is_fused = cfg.attention_projection_layout == FUSED_QKV
-        tp = _qkv_tp(cfg, shards, qkv_tp_size) if is_fused else 1
+        tp = _qkv_tp(cfg, shards, qkv_tp_size, mtp_layers) if is_fused else 1
         used_scales: set[str] = set()
         for name in names:
             if not name.endswith(official.SCALE_SUFFIX):
                 tensor = _dequantized(name, shards, cfg, tp, used_scales)
-                yield from _normalize(name, tensor, cfg, tp)
+                yield from _normalize(_mtp_name(name), tensor, cfg, tp)
         scales = (n for n in names if n.endswith(official.SCALE_SUFFIX))
         unused = sorted(n for n in scales if n not in used_scales)
         if unused:
@@ -173,17 +202,21 @@ def _dequantized(
         raise CheckpointError(f"{scale_name!r}: {e}") from e
 
 
-def _qkv_tp(cfg: ModelConfig, shards: _Shards, qkv_tp_size: int | None) -> int:
+def _qkv_tp(
+    cfg: ModelConfig, shards: _Shards, qkv_tp_size: int | None, mtp_layers: int
+) -> int:
     """The TP chunks of the fused qkv_proj tensors, checked against every layer's shapes."""
     # NOTE: without a quantization_config the scales are not read (an fp8 tensor fails later)
     block = cfg.quantization.weight_block_size[0] if cfg.quantization else None
+    fused = [(f"model.layers.{i}", cfg.geometry(i)) for i in range(cfg.num_hidden_layers)]
+    fused += [(f"model.mtp.layers.{i}", cfg.swa) for i in range(mtp_layers)]
     layers = []
-    for i in range(cfg.num_hidden_layers):
-        name = f"model.layers.{i}.self_attn.qkv_proj.weight"
+    for prefix, geo in fused:
+        name = f"{prefix}.self_attn.qkv_proj.weight"
         shape = shards.shape(name)
         if shape is not None:  # a missing one is reported with the other missing tensors
             scale = shards.shape(name + official.SCALE_SUFFIX) if block else None
-            layers.append((name, cfg.geometry(i), shape[0], None if scale is None else scale[0]))
+            layers.append((name, geo, shape[0], None if scale is None else scale[0]))
     if not layers:  # no fused tensor at all: nothing to un-fuse, what is missing is reported
         return qkv_tp_size or 1
     if qkv_tp_size is not None:
@@ -234,11 +267,12 @@ def _split_qkv(
     match = _FUSED_QKV.match(name)
     assert match is not None
     prefix, layer, kind = match.groups()
-    geo = cfg.geometry(int(layer))
+    # NOTE: MTP layers always have the SWA geometry (``engine.models.mtp``)
+    geo = cfg.swa if prefix.startswith("mtp.") else cfg.geometry(int(layer))
     rows = official.qkv_rows(geo, tp)
     if rows is None or tensor.shape[0] != rows.total * tp:
         raise CheckpointError(
-            f"tensor {name!r} has shape {tuple(tensor.shape)}, not a fused qkv_proj of "
+            f"tensor {_hub_name(name)!r} has shape {tuple(tensor.shape)}, not a fused qkv_proj of "
             f"{geo.num_heads} q / {geo.num_kv_heads} kv heads in {tp} TP chunks"
         )
     for part, t in zip(("q_proj", "k_proj", "v_proj"), official.split_qkv(tensor, geo, tp)):
@@ -257,21 +291,48 @@ def _fill(model: MiMoV2ForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]])
             continue
         if tuple(tensor.shape) != tuple(param.shape):
             raise CheckpointError(
-                f"tensor {name!r} has shape {tuple(tensor.shape)}, the config expects "
-                f"{tuple(param.shape)}"
+                f"tensor {_hub_name(name)!r} has shape {tuple(tensor.shape)}, the config "
+                f"expects {tuple(param.shape)}"
             )
         with torch.no_grad():
             param.copy_(tensor)
         seen.add(name)
     missing = sorted(set(params) - seen)
     if missing:
+        shaped = [f"{_hub_name(n)} {tuple(params[n].shape)}" for n in missing]
         raise CheckpointError(
-            f"checkpoint is missing {len(missing)} tensor(s): {_listing(missing)}"
+            f"checkpoint is missing {len(missing)} tensor(s): {_listing(shaped)}"
         )
     if extra:
+        names = [_hub_name(n) for n in extra]
         raise CheckpointError(
-            f"checkpoint has {len(extra)} tensor(s) the config does not describe: {_listing(extra)}"
+            f"checkpoint has {len(extra)} tensor(s) the config does not describe: {_listing(names)}"
         )
+
+
+def _skipped(name: str, mtp_layers: int) -> bool:
+    """Tensors not loaded: the vision tower, and MTP layers beyond the ``mtp_layers`` asked for
+    (every ``model.mtp.*`` one when none are)."""
+    if _IGNORED.search(name):
+        return True
+    if not name.startswith("model.mtp."):
+        return False
+    layer = _MTP.match(name)
+    if layer is None:
+        return not mtp_layers  # NOTE: when MTP is loaded, a stray model.mtp.* name is an extra
+    return int(layer[1]) >= mtp_layers
+
+
+def _mtp_name(name: str) -> str:
+    """``model.mtp.layers.{i}.X`` -> our ``mtp.layers.{i}.X`` (SGLang's name aliases applied)."""
+    if not name.startswith("model.mtp."):
+        return name
+    return name.removeprefix("model.").replace(".pre_mlp_layernorm.", ".post_attention_layernorm.")
+
+
+def _hub_name(name: str) -> str:
+    """Our parameter name as the checkpoint spells it (for error messages)."""
+    return "model." + name if name.startswith("mtp.") else name
 
 
 def _listing(names: list[str]) -> str:

@@ -11,6 +11,8 @@ outside the vocabulary, so the ids are clamped into it first (the looked-up rows
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -20,6 +22,9 @@ from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.model_config import FULL, SPARSE, SWA, ModelConfig
+
+if TYPE_CHECKING:
+    from engine.models.mtp import MTPHead
 
 
 class DecoderLayer(nn.Module):
@@ -81,6 +86,8 @@ class MiMoV2ForCausalLM(nn.Module):
         self.config = cfg
         self.model = MiMoV2Model(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # NOTE: the loader sets it when MTP layers are requested (``load_model(mtp_layers=n)``)
+        self.mtp: MTPHead | None = None
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -133,6 +133,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> list[argparse
             help="native backend: the tensor-parallel chunks of an official checkpoint's fused "
                  "qkv_proj (default: worked out from the shapes; needed when they are "
                  "ambiguous)"),
+        add("--mtp", type=int, dest="speculative_tokens", metavar="K",
+            help="native backend: draft K tokens per decode step with the checkpoint's MTP "
+                 "layers and verify them in one forward (lossless; 0: off, the default; at most "
+                 "num_nextn_predict_layers)"),
+        add("--mtp-prefill", choices=("window", "full"),
+            help="MTP layers' prompt KV: only the window the first drafts need (window, the "
+                 "default) or every position (full, a baseline)"),
         add("--grammar-timeout-s", type=float, default=10.0,
             help="a grammar compiling longer fails with invalid_grammar (default: %(default)s)"),
         add("--max-grammar-bytes", type=int, default=256 * 2**10,
@@ -175,6 +182,7 @@ def engine_config(args: argparse.Namespace, env: Mapping[str, str] | None = None
         gcache=args.gcache, gcache_wait_s=args.gcache_wait_s,
         hibernate_after_s=args.hibernate_after_s, layerwise_load=args.layerwise_load,
         dtype=args.dtype, device=args.device, qkv_tp_size=args.qkv_tp_size,
+        speculative_tokens=args.speculative_tokens, mtp_prefill=args.mtp_prefill,
     )
 
 

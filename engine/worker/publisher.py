@@ -134,6 +134,8 @@ def load_report(worker_id: str, stats: EngineStats, instance_id: str = "") -> Lo
         storage_written_pages=s.storage_written_pages,
         storage_write_dropped=s.storage_write_dropped, storage_errors=s.storage_errors,
         storage_corrupt=s.storage_corrupt, hibernated_sessions=s.hibernated_sessions,
+        mtp_verify_steps=s.mtp_verify_steps, mtp_draft_tokens=s.mtp_draft_tokens,
+        mtp_accepted_tokens=s.mtp_accepted_tokens,
     )
 
 

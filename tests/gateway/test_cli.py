@@ -30,11 +30,20 @@ def _digests(model_dir: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(model_dir.iterdir())}
 
 
-def test_model_init_writes_the_same_bytes_every_time(demo_dir: Path, tmp_path: Path) -> None:
+def test_model_init_writes_the_same_bytes_every_time(demo_dir: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE: a fresh HOME: no cached MTP distillation, so this one distills again
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
     again = tmp_path / "again"
     assert main(["model", "init", str(again)]) == 0
     assert set(DEMO_FILES) <= set(_digests(demo_dir))
     assert _digests(again) == _digests(demo_dir)
+    # the distillation's output was kept, and a third init copies it
+    [entry] = (tmp_path / "home" / ".cache" / "agentgate" / "mtp-distill").iterdir()
+    assert {p.name for p in entry.iterdir()} == {"model.safetensors"}
+    third = tmp_path / "third"
+    assert main(["model", "init", str(third)]) == 0
+    assert _digests(third) == _digests(demo_dir)
 
 
 def test_model_init_refuses_a_non_empty_dir(demo_dir: Path, tmp_path: Path, capsys) -> None:
