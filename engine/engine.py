@@ -332,6 +332,8 @@ class Engine:
         counts = [1 + batch[i].num_drafts for i in sampling]  # verify rows: the last ones
         tokens_before = [s.seq.num_tokens for s in batch]
         pages = [self._step_pages(s.seq, s.query_len) for s in batch]
+        for s, p in zip(batch, pages):
+            p.rows = s.num_drafts > 0  # NOTE: a verify step's rows attend as decodes do
         if self.drafter is None:
             hidden = None
             emitted, finishes = self._verify_sim(batch, pages, sampling, counts)

@@ -62,6 +62,11 @@ if TYPE_CHECKING:
     from engine.sequence import Sequence
 
 
+# NOTE: a request's MTP rows in a decode step (accepted + K at most) attend batched as decode
+# rows (``SeqPages.rows``); a prefill's many rows take the per-sequence path
+_ROWS_AS_DECODES = 16
+
+
 @dataclass(slots=True)
 class MTPState:
     """One request's MTP progress since its admission.
@@ -164,7 +169,8 @@ class Drafter:
                 tokens += [self._token(job, s) for s in range(lo, hi + 1)]
                 p = job.pages
                 pages.append(SeqPages(p.full_pages, p.swa_pages, num_cached=lo,
-                                      query_len=hi - lo + 1, min_pos=st.start[k]))
+                                      query_len=hi - lo + 1, min_pos=st.start[k],
+                                      rows=hi - lo < _ROWS_AS_DECODES))
             if not plan:
                 prev = [(0, jobs[i].hidden[:0]) for i in range(len(jobs))]
                 continue

@@ -61,6 +61,9 @@ class SeqPages:
     # SWA keys below this position are never read (an MTP layer's rows start there: what lies
     # below was never written for this request, engine.spec)
     min_pos: int = 0
+    # each query token attends as a decode row of its own, batched with the step's decodes (a
+    # verify step's few rows, engine.spec), instead of through the per-sequence prefill path
+    rows: bool = False
 
     @property
     def seq_len(self) -> int:
@@ -105,15 +108,16 @@ class PagedBatch:
         self._offsets = [0]
         for s in self.seqs:
             self._offsets.append(self._offsets[-1] + s.query_len)
-        self._decode_ids = [i for i, s in enumerate(self.seqs) if s.query_len == 1]
-        self._prefill_ids = [i for i, s in enumerate(self.seqs) if s.query_len > 1]
+        self._decode_ids = [i for i, s in enumerate(self.seqs) if s.query_len == 1 or s.rows]
+        self._prefill_ids = [i for i, s in enumerate(self.seqs) if s.query_len > 1 and not s.rows]
         # NOTE: ``kinds``: the layers this forward runs have these kinds only (MTP: SWA)
         kinds = [k for k in (kinds or PageKind) if layout.num_layers(k) > 0]
         self._writes = {k: self._init_slot_mapping(k) for k in kinds}
         self._reads = {k: [self._init_reads(i, k) for i in self._prefill_ids] for k in kinds}
         self._decode_reads = {k: self._init_decode_reads(k) for k in kinds if self._decode_ids}
         self._decode_rows = torch.tensor(
-            [self._offsets[i] for i in self._decode_ids], dtype=torch.int64, device=pool.device
+            [self._offsets[i] + j for i in self._decode_ids for j in range(self.seqs[i].query_len)],
+            dtype=torch.int64, device=pool.device,
         )
 
     @property
@@ -189,12 +193,26 @@ class PagedBatch:
         return _SeqReads(slots[0], visible_mask(q_pos, k_pos, window))
 
     def _init_decode_reads(self, kind: PageKind) -> _DecodeReads:
-        slots, num_keys = self._key_slots(kind, [self.seqs[i] for i in self._decode_ids])
-        if min(num_keys) == slots.shape[1]:
-            return _DecodeReads(slots, None)
+        seqs = [self.seqs[i] for i in self._decode_ids]
+        slots, num_keys = self._key_slots(kind, seqs)
         device = self.pool.device
         col = torch.arange(slots.shape[1], device=device)
-        hidden = col >= torch.tensor(num_keys, device=device)[:, None]
+        if all(s.query_len == 1 for s in seqs):
+            if min(num_keys) == slots.shape[1]:
+                return _DecodeReads(slots, None)
+            return _DecodeReads(slots, col >= torch.tensor(num_keys, device=device)[:, None])
+        # NOTE: a ``rows`` sequence's grid covers the keys of all its rows; row j (position
+        # num_cached + j) hides the keys after it, and for SWA those more than W before it
+        per_seq = torch.tensor([s.query_len for s in seqs], device=device)
+        slots = slots.repeat_interleave(per_seq, 0)
+        first = torch.tensor([s.seq_len - n for s, n in zip(seqs, num_keys)], device=device)
+        key_pos = first.repeat_interleave(per_seq)[:, None] + col
+        num = torch.tensor(num_keys, device=device).repeat_interleave(per_seq)[:, None]
+        q_pos = torch.tensor([p for s in seqs for p in range(s.num_cached, s.seq_len)],
+                             device=device)[:, None]
+        hidden = (col >= num) | (key_pos > q_pos)
+        if kind != PageKind.FULL:
+            hidden |= key_pos < q_pos - self.layout.window
         return _DecodeReads(slots, hidden)
 
     def _key_slots(

@@ -23,6 +23,7 @@ from engine.models.loader import CheckpointError, load_model
 from engine.models.mimo_v2 import MiMoV2ForCausalLM
 from engine.models.mtp import MTPOutput, mtp_config_of
 from engine.models.mtp_distill import distill_mtp
+from tests.engine.test_official_layout import _plain_dequant
 
 Tensors = dict[str, torch.Tensor]
 
@@ -166,15 +167,6 @@ def _official_mtp_as_split(official_dir: Path, cfg: dict[str, Any]) -> Tensors:
         parts = [c.split([hq * d, hkv * d, hkv * dv]) for c in w.chunk(_TP)]
         for j, proj in enumerate(("q_proj", "k_proj", "v_proj")):
             out[name.replace("qkv_proj", proj)] = torch.cat([p[j] for p in parts])
-    return out
-
-
-def _plain_dequant(w: torch.Tensor, s: torch.Tensor, bh: int, bw: int) -> torch.Tensor:
-    """Block by block; edge blocks simply run short."""
-    out = torch.empty(w.shape)
-    for i in range(0, w.shape[0], bh):
-        for j in range(0, w.shape[1], bw):
-            out[i : i + bh, j : j + bw] = w[i : i + bh, j : j + bw].float() * s[i // bh, j // bw]
     return out
 
 

@@ -85,12 +85,19 @@ def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[
 
 @settings(max_examples=12, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 10_000), k=st.integers(1, K_MAX), cache=st.booleans())
-def test_greedy_tokens_equal_decoding_without_mtp(mtp_dir, base, seed, k, cache):
-    prompts = _prompts(seed, 4)
+@given(seed=st.integers(0, 10_000), k=st.integers(1, K_MAX), cache=st.booleans(),
+       tight=st.booleans())
+def test_greedy_tokens_equal_decoding_without_mtp(mtp_dir, base, seed, k, cache, tight):
+    """Batches of requests, the prefix cache on or off, and (``tight``) a KV budget that
+    preempts requests mid-decode (their drafts dropped, MTP restarted from the hit)."""
+    prompts = _prompts(seed, 6 if tight else 4)
     params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
     want = _tokens(base, prompts, params)
-    llm = _llm(mtp_dir, k, enable_prefix_cache=cache)
+    memory = {}
+    if tight:
+        chunk = _llm(mtp_dir, K_MAX).engine.layout.chunk_bytes
+        memory = {"kv_budget_bytes": chunk * 12, "max_num_batched_tokens": 16}
+    llm = _llm(mtp_dir, k, enable_prefix_cache=cache, **memory)
     assert _tokens(llm, prompts, params) == want
     # again: now most prompts hit the prefix cache (their MTP layers start at the hit)
     assert _tokens(llm, prompts, params) == want
