@@ -207,6 +207,7 @@ class Scheduler:
         self.kv.release(seq)
         seq.draft_ids.clear()
         seq.mtp = None  # NOTE: restarts from the KV its next admission finds
+        seq.mtp_pages.clear()
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

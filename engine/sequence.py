@@ -93,6 +93,11 @@ class Sequence:
     # step, and the MTP layers' progress (None until the first step after each admission)
     draft_ids: list[int] = field(default_factory=list)
     mtp: object | None = None
+    # page index -> the MTP continuation state at its last slot, for its cache node (Node.mtp)
+    mtp_pages: dict[int, object] = field(default_factory=dict)
+    # positions below this may hold MTP KV another request wrote (a deduplicated page without
+    # Node.mtp): the MTP layers' outputs are not known exact until their windows pass it
+    mtp_taint: int = 0
 
     @property
     def token_ids(self) -> list[int]:

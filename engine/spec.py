@@ -39,9 +39,16 @@ output needs layer K-2's keys from P - 2W - 1, and so on: layer k computes rows 
     start_k = P - W - (K - 1 - k) * (W + 1)
 
 (at least k + 1, its first slot) and never reads keys below start_k. The drafts are exactly those
-of a "full" MTP prefill (every slot), at O(K^2 W) rows instead of O(K P). After a prefix-cache hit
-of h tokens the MTP layers start at the hit (slot h + 1 + k): what lies below it in the cached
-pages is not read, so a hit costs no MTP recompute (drafts see keys from the hit on).
+of a "full" MTP prefill (every slot), at O(K^2 W) rows instead of O(K P).
+
+A prefix-cache hit of h tokens costs no MTP recompute. Every cached page whose MTP KV its writer
+computed exactly is marked (``Node.mtp``), and a page whose end the MTP layers had passed exactly
+also keeps their continuation state there: [h_base, h_0 .. h_{K-2}] at its last slot (K x hidden
+values per page, outside the KV budget). A hit whose last page has that state, with every page of
+its window marked, continues from it: rows from slot h on, the cached window's MTP keys read as
+they are, drafts exactly those of a run without the hit. Otherwise (a page another request wrote
+inexactly, one loaded from L2 or L3 as a new node) the MTP layers start cold after the hit (slot
+h + 1 + k, nothing below read): still no recompute, drafts that see keys from the hit on only.
 """
 
 from __future__ import annotations
@@ -81,6 +88,13 @@ class MTPState:
     start: list[int]
     carry: list[torch.Tensor | None]
     rows: int = 0
+    # the first slot from which every MTP layer's KV and output are those of a from-scratch
+    # chain: page ends from here on get their continuation state (``Node.mtp``)
+    exact_from: int = 0
+    # the first slot from which every MTP layer's KV is: pages from here on are marked exact
+    kv_exact_from: int = 0
+    # the first step continues a cache hit's state (rows from the hit's first slot)
+    resume: bool = False
 
 
 def mtp_starts(num_layers: int, window: int, num_computed: int, num_tokens: int,
@@ -135,14 +149,40 @@ class Drafter:
         self.num_layers: int = self.mtp.num_layers
 
     def state(self, job: DraftJob) -> MTPState:
-        """The request's state, made at its first step after an admission."""
+        """The request's state, made at its first step after an admission: from the cache
+        hit's continuation state when its last page has one and every page in its window was
+        written exact (``Node.mtp``), else from ``mtp_starts``."""
         seq = job.seq
         if seq.mtp is None:
-            starts = mtp_starts(self.num_layers, self.layout.window, job.first, job.num_tokens,
-                                self.full_prefill)
-            seq.mtp = MTPState(starts, [None] * self.num_layers)
+            n, w = self.num_layers, self.layout.window
+            resumed = self._resumed(seq, job.first)
+            if resumed is not None:
+                seq.mtp = MTPState([k + 1 for k in range(n)], list(resumed.unbind(0)),
+                                   exact_from=job.first, kv_exact_from=job.first, resume=True)
+            else:
+                starts = mtp_starts(n, w, job.first, job.num_tokens, self.full_prefill)
+                exact = max(k + 1 if s == k + 1 else s + w for k, s in enumerate(starts))
+                seq.mtp = MTPState(starts, [None] * n, exact_from=exact,
+                                   kv_exact_from=0 if exact == n else max(starts))
         assert isinstance(seq.mtp, MTPState)
-        return seq.mtp
+        st = seq.mtp
+        if seq.mtp_taint:  # NOTE: all is exact again once K windows passed it
+            clean = seq.mtp_taint + self.num_layers * (self.layout.window + 1)
+            st.exact_from = max(st.exact_from, clean)
+            st.kv_exact_from = max(st.kv_exact_from, clean)
+        return st
+
+    def _resumed(self, seq: Sequence, first: int) -> torch.Tensor | None:
+        """The continuation state at a cache hit of ``first`` tokens, or None."""
+        p = self.layout.page_size
+        if first == 0 or len(seq.path) * p != first:
+            return None
+        window = -(-(self.layout.window + 1) // p)  # NOTE: pages holding keys first - W - 1 on
+        nodes = seq.path[-window:]
+        carry = nodes[-1].mtp
+        if not isinstance(carry, torch.Tensor) or any(n.mtp is None for n in nodes):
+            return None
+        return carry
 
     @torch.inference_mode()
     def run(self, jobs: Seq[DraftJob]) -> None:
@@ -153,11 +193,12 @@ class Drafter:
         embed = self.model.model.embed_tokens
         vocab = embed.num_embeddings
         carries: list[tuple[int, int, torch.Tensor]] = []
+        outs: list[list[tuple[int, torch.Tensor]]] = [[] for _ in jobs]  # per job, per layer
         for k in range(self.num_layers):
             plan: list[tuple[int, int, int]] = []  # (job index, first slot, last slot)
             inputs, tokens, pages = [], [], []
             for i, (job, st) in enumerate(zip(jobs, states)):
-                lo = max(job.first + 1, st.start[k])
+                lo = job.first if st.resume else max(job.first + 1, st.start[k])
                 hi = job.known + (k if job.draft else 0)
                 if lo > hi or (job.draft and len(job.drafts) < k):
                     continue
@@ -194,17 +235,47 @@ class Drafter:
                 rows = out.residual[offset : offset + hi - lo + 1]
                 offset += hi - lo + 1
                 new_prev[i] = (lo, rows)
+                outs[i].append((lo, rows))
                 states[i].rows += hi - lo + 1
                 if k + 1 < self.num_layers and lo <= jobs[i].known <= hi:
                     # NOTE: the next step's layer k + 1 starts at known + 1 (set after the last
                     # layer: this step's layer k + 1 still reads the old one)
                     carries.append((i, k + 1, rows[jobs[i].known - lo].clone()))
             prev = new_prev
+        for job, st, layers in zip(jobs, states, outs):
+            self._page_states(job, st, layers)
         for i, k, h in carries:
             states[i].carry[k] = h
+        for st in states:
+            st.resume = False
         for job in jobs:
             if job.draft and len(job.drafts) < self.num_layers:
                 job.drafts.clear()  # NOTE: a layer had no input (cannot happen after a prefill)
+
+    def _page_states(self, job: DraftJob, st: MTPState,
+                     layers: list[tuple[int, torch.Tensor]]) -> None:
+        """Record the continuation state (h_base, h_0 .. h_{K-2} at its last slot) of every
+        page this step completed where the MTP layers are exact (``Node.mtp``)."""
+        p, n = self.layout.page_size, self.num_layers
+        first_end = -(-(job.first + 1) // p) * p - 1  # NOTE: the first slot e >= first, p | e + 1
+        for end in range(first_end, job.known, p):
+            if end - p + 1 >= st.kv_exact_from and end < st.exact_from:
+                job.seq.mtp_pages[end // p] = True  # NOTE: exact KV, no continuation state
+        if len(layers) < n:
+            return
+        lo = max(job.first, st.exact_from)
+        for end in range(-(-(lo + 1) // p) * p - 1, job.known, p):
+            rows = [job.hidden[end - job.first]]
+            for k in range(n - 1):
+                first, out = layers[k]
+                if end >= first:
+                    rows.append(out[end - first])
+                elif end == first - 1 and st.carry[k + 1] is not None:
+                    rows.append(st.carry[k + 1])  # type: ignore[arg-type]
+                else:
+                    break
+            if len(rows) == n:
+                job.seq.mtp_pages[end // p] = torch.stack(rows)
 
     @staticmethod
     def _token(job: DraftJob, slot: int) -> int:
@@ -222,6 +293,6 @@ class Drafter:
             return None
         if lo - 1 >= first:
             return rows[lo - 1 - first : need_last + 1]
-        if k == 0 or lo - 1 != first - 1 or st.carry[k] is None:
+        if lo - 1 != first - 1 or st.carry[k] is None:
             return None
         return torch.cat([st.carry[k][None], rows[: need_last + 1]])  # type: ignore[index]

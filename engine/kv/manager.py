@@ -361,6 +361,11 @@ class KVManager:
         full = seq.pending_full.pop(0)
         swa = seq.pending_swa.pop(0) if self.has_swa else None
         node = self.cache.insert(parent, h, full, swa, tokens)
+        mtp = seq.mtp_pages.pop(i, None)
+        if swa is not None and node.swa_page == swa:
+            node.mtp = mtp  # NOTE: the SWA page (and its MTP KV) is this request's
+        elif swa is not None and node.mtp is None:
+            seq.mtp_taint = hi  # NOTE: another request's SWA page, its MTP KV unknown
         if parent is not None:
             self.cache.unpin(parent, full=True, swa=False)
         seq.path.append(node)

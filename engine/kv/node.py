@@ -28,6 +28,7 @@ class Node:
         "access",
         "swa_access",
         "alive",
+        "mtp",
     )
 
     def __init__(
@@ -47,6 +48,9 @@ class Node:
         self.retain_until = 0.0
         self.access = self.swa_access = 0
         self.alive = True
+        # MTP (engine.spec): the hidden states the MTP layers continue from after this page
+        # ([K, hidden]), set when the request that wrote its SWA page had exact MTP KV in it
+        self.mtp: object | None = None
 
     def ancestors(self, n: int) -> Iterator[Node]:
         """This node and up to n - 1 parents, deepest first."""

@@ -250,6 +250,43 @@ def _reference_draft_logits(model, tokens: list[int], drafts: list[int]) -> list
     return out
 
 
+@pytest.mark.parametrize("new", [2, 3 * (W + 1) + 2])
+def test_a_cache_hit_needs_no_mtp_recompute(mtp_dir, monkeypatch, new):
+    """Turn 2 extends turn 1 (output included) by a few or more than K (W + 1) tokens: it hits
+    the cache, its MTP layers continue from the hit's page (``Node.mtp``) and compute rows only
+    after it (none of the cached prefix again), and every draft still equals the from-scratch
+    chain over the whole sequence."""
+    llm = LLM(mtp_dir, dtype="float32", device="cpu", page_size=PAGE, speculative_tokens=3)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    turn1 = _prompts(41, 1, lo=40, hi=41)[0]
+    [out1] = llm.generate([turn1], params)
+    turn2 = [*turn1, *out1.token_ids, *_prompts(42, 1, lo=new, hi=new + 1)[0]]
+    seen: list[tuple[list[int], list[int]]] = []
+    real = Drafter.run
+
+    def run(self, jobs):  # noqa: ANN001, ANN202 (records what the engine drafted)
+        real(self, jobs)
+        seen.extend((j.seq.token_ids, list(j.drafts)) for j in jobs if j.draft and j.drafts)
+
+    monkeypatch.setattr(Drafter, "run", run)
+    seq = llm.engine.make_sequence("turn2", turn2, params)
+    llm.engine.add(seq)
+    rows = 0
+    while llm.engine.has_work:
+        llm.engine.step()
+        if isinstance(seq.mtp, MTPState):
+            rows = seq.mtp.rows
+    hit = seq.num_cached
+    assert hit >= len(turn1) - PAGE, hit
+    assert isinstance(seq.mtp, MTPState) and seq.mtp.start == [1, 2, 3], "not resumed"
+    assert rows <= 3 * (len(turn2) - hit + 6 + 3), (rows, hit, len(turn2))
+    assert seen
+    for tokens, drafts in seen:
+        ref_logits = _reference_draft_logits(llm.model, tokens, drafts)
+        for k, (logits, d) in enumerate(zip(ref_logits, drafts)):
+            assert logits[d] >= logits.max() - 1e-4, (k, len(tokens), drafts)
+
+
 def test_swa_aware_prefill_computes_o_k2_w_rows(mtp_dir):
     """A prompt of P >> K * W: the window mode computes about K (K + 1) / 2 * (W + 1) MTP prefill
     rows, the full mode K * P; the same first drafts."""
