@@ -106,8 +106,8 @@ def _distilled(model_dir: Path, distill: Callable[[], object]) -> None:
     """Run ``distill`` on ``model_dir``'s safetensors, or copy its earlier result.
 
     Distillation is deterministic (seeded, one thread) and takes ~20 s, so its output files are
-    kept under ``~/.cache/agentgate/mtp-distill/<digest of the input files>``; a cache that
-    cannot be written is skipped.
+    kept under ``~/.cache/agentgate/mtp-distill/<digest of the input files>`` (or
+    ``$AGENTGATE_MTP_CACHE/<digest>``); a cache that cannot be written is skipped.
     """
     import hashlib
 
@@ -115,7 +115,9 @@ def _distilled(model_dir: Path, distill: Callable[[], object]) -> None:
     digest = hashlib.sha256(_DISTILL_VERSION.encode())
     for f in files:
         digest.update(f.name.encode() + f.read_bytes())
-    cached = Path.home() / ".cache" / "agentgate" / "mtp-distill" / digest.hexdigest()[:32]
+    root = os.environ.get("AGENTGATE_MTP_CACHE") or Path.home() / ".cache" / "agentgate" / (
+        "mtp-distill")
+    cached = Path(root) / digest.hexdigest()[:32]
     if all((cached / f.name).is_file() for f in files):
         for f in files:
             shutil.copyfile(cached / f.name, f)

@@ -2,11 +2,13 @@
 unless `-m slow` selects them; `redis_url` runs a real redis-server for the session-store
 tests."""
 
+import atexit
 import contextlib
 import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +30,13 @@ os.environ.setdefault("AGENTGATE_GCACHE", "off")
 # (the demo model has one); tests that send images pass their own AGENTGATE_ENCODER="" or
 # --encoder, the rest do not pay for a process they never use
 os.environ.setdefault("AGENTGATE_ENCODER", "off")
+# NOTE: `agentgate model init` distils the demo model's MTP layers (~20 s) and keeps the result;
+# one cache for the whole session, outside the user's home, so tests that give a process its
+# own HOME (a fresh demo model) do not distil again
+if "AGENTGATE_MTP_CACHE" not in os.environ:
+    _MTP_CACHE = tempfile.mkdtemp(prefix="agentgate-test-mtp-")
+    os.environ["AGENTGATE_MTP_CACHE"] = _MTP_CACHE
+    atexit.register(shutil.rmtree, _MTP_CACHE, True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -32,8 +32,9 @@ def _digests(model_dir: Path) -> dict[str, str]:
 
 def test_model_init_writes_the_same_bytes_every_time(demo_dir: Path, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    # NOTE: a fresh HOME: no cached MTP distillation, so this one distills again
+    # NOTE: a fresh HOME and no AGENTGATE_MTP_CACHE: nothing cached, this one distills again
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("AGENTGATE_MTP_CACHE")
     again = tmp_path / "again"
     assert main(["model", "init", str(again)]) == 0
     assert set(DEMO_FILES) <= set(_digests(demo_dir))
