@@ -334,11 +334,14 @@ class Engine:
         pages = [self._step_pages(s.seq, s.query_len) for s in batch]
         for s, p in zip(batch, pages):
             p.rows = s.num_drafts > 0  # NOTE: a verify step's rows attend as decodes do
+        offsets = [0]
+        for s in batch:
+            offsets.append(offsets[-1] + s.query_len)
         if self.drafter is None:
             hidden = None
             emitted, finishes = self._verify_sim(batch, pages, sampling, counts)
         else:
-            hidden, emitted, finishes = self._verify(batch, pages, sampling, counts)
+            hidden, emitted, finishes = self._verify(batch, pages, sampling, counts, offsets)
         self.spec_stats.record(counts, emitted)
         committed = [s.query_len for s in batch]
         for r, i in enumerate(sampling):
@@ -351,9 +354,6 @@ class Engine:
         if hidden is not None:
             from engine.spec import DraftJob
 
-            offsets = [0]
-            for s in batch:
-                offsets.append(offsets[-1] + s.query_len)
             jobs = [DraftJob(s.seq, pages[i], hidden[offsets[i] : offsets[i + 1]],
                              s.seq.num_computed, s.seq.num_computed + committed[i],
                              draft=i in drafting, num_tokens=tokens_before[i])
@@ -372,7 +372,7 @@ class Engine:
         return [batch[i].seq for i in sampling]
 
     def _verify(self, batch: list[Scheduled], pages: list[SeqPages], sampling: list[int],
-                counts: list[int]):  # noqa: ANN202 (hidden, emitted, finishes)
+                counts: list[int], offsets: list[int]):  # noqa: ANN202 (hidden, emitted, finishes)
         """The base forward, then rounds j = 0 .. K: each live request draws its row j exactly
         as a step without MTP would, and stays live while the draw equals its draft j."""
         from engine.model_runner import _text_only
@@ -386,12 +386,7 @@ class Engine:
                 self.host.loads_done()
         else:
             hidden, _ = runner.forward(batch, pages)  # type: ignore[attr-defined]
-        ends = []
-        end = 0
-        for s in batch:
-            end += s.query_len
-            ends.append(end)
-        rows = [ends[i] - c + j for i, c in zip(sampling, counts) for j in range(c)]
+        rows = [offsets[i + 1] - c + j for i, c in zip(sampling, counts) for j in range(c)]
         starts = [0]
         for c in counts:
             starts.append(starts[-1] + c)

@@ -104,9 +104,8 @@ class SimRunner:
     def accepts(self, seq: SeqState) -> bool:
         """Whether the draft at the request's next position is accepted: probability
         ``cost.mtp_acceptance``, a deterministic draw of (request id, position)."""
-        key = f"accept:{seq.request_id}:{seq.num_tokens}"
-        draw = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
-        return draw / 2**64 < self.cost.mtp_acceptance
+        return _uniform64(f"accept:{seq.request_id}:{seq.num_tokens}") / 2**64 < (
+            self.cost.mtp_acceptance)
 
     def _num_choices(self, seq: SeqState, allowed: np.ndarray | None) -> int:
         if allowed is not None:
@@ -144,7 +143,7 @@ class SimRunner:
             key = f"{seq.request_id}:{seq.num_tokens}"
         else:
             key = f"seed={seq.params.seed}:{self._prompt_digest(seq)}:{seq.num_tokens}"
-        return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+        return _uniform64(key)
 
     def _prompt_digest(self, seq: SeqState) -> str:
         digest = self._prompt_digests.get(seq.request_id)
@@ -173,3 +172,8 @@ class SimRunner:
         cum = filtered_probs(logits, [seq.params])[0].double().cumsum(0)
         target = torch.tensor([draw / 2**64 * float(cum[-1])], dtype=torch.float64)
         return min(int(torch.searchsorted(cum, target, right=True)), self.vocab_size - 1)
+
+
+def _uniform64(key: str) -> int:
+    """A uniform 64-bit draw, a function of ``key`` alone."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")

@@ -99,7 +99,7 @@ def init_demo_model(model_dir: Path, *, force: bool = False) -> Path:
 
 
 # NOTE: bump when the distillation or the demo checkpoint changes (the cache key's salt)
-_DISTILL_VERSION = "mtp-distill-1"
+_DISTILL_VERSION = "mtp-distill-2"
 
 
 def _distilled(model_dir: Path, distill: Callable[[], object]) -> None:

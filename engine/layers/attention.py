@@ -59,19 +59,21 @@ def attention_with_sinks(
     Op order mirrors the reference so bf16 results agree.
 
     Args:
-        q: [n, H, D]; k: [L, Hkv, D]; v: [L, Hkv, Dv]; visible: [n, L] bool.
+        q: [..., n, H, D]; k: [..., L, Hkv, D]; v: [..., L, Hkv, Dv]; visible: [n, L] bool.
+            Leading dims (a batch of equal-length sequences, as MTP distillation trains on)
+            are optional.
     Returns:
-        [n, H, Dv]
+        [..., n, H, Dv]
     """
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    num_heads, num_kv_heads = q.shape[-2], k.shape[-2]
     rep = num_heads // num_kv_heads
-    qh = q.transpose(0, 1)  # [H, n, D]
-    kh = k.transpose(0, 1).repeat_interleave(rep, dim=0)  # [H, L, D]
-    vh = v.transpose(0, 1).repeat_interleave(rep, dim=0)  # [H, L, Dv]
-    scores = torch.matmul(qh, kh.transpose(1, 2)) * scale
+    qh = q.transpose(-3, -2)  # [..., H, n, D]
+    kh = k.transpose(-3, -2).repeat_interleave(rep, dim=-3)  # [..., H, L, D]
+    vh = v.transpose(-3, -2).repeat_interleave(rep, dim=-3)  # [..., H, L, Dv]
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = _softmax_with_sinks(scores, None if sinks is None else sinks.reshape(-1, 1, 1))
-    return torch.matmul(probs.to(vh.dtype), vh).transpose(0, 1)
+    return torch.matmul(probs.to(vh.dtype), vh).transpose(-3, -2)
 
 
 def decode_attention_with_sinks(

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from engine.layers.attention import AttentionSpec, visible_mask
+from engine.layers.attention import AttentionSpec, attention_with_sinks, visible_mask
 from engine.models.loader import load_model, safetensors_files
 from engine.models.mimo_v2 import MiMoV2ForCausalLM
 from engine.models.mtp import MTPHead, mtp_config_of
@@ -186,7 +186,7 @@ class DenseKV:
         self.k[spec.layer_id], self.v[spec.layer_id] = k, v
         total = k.shape[1]
         visible = visible_mask(torch.arange(total - n, total), torch.arange(total), spec.window)
-        out = _attention(q, k, v, visible, spec.scale, spec.sinks)
+        out = attention_with_sinks(q, k, v, visible, spec.scale, spec.sinks)
         return out.reshape(b * n, *out.shape[2:])
 
 
@@ -248,29 +248,3 @@ def _last_logits(
 def _base_hidden(model: MiMoV2ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
     b, n = ids.shape
     return model(ids.flatten(), torch.arange(n).repeat(b), DenseKV(b)).view(b, n, -1)
-
-
-def _attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    visible: torch.Tensor,
-    scale: float,
-    sinks: torch.Tensor | None,
-) -> torch.Tensor:
-    """q: [B, n, H, D], k: [B, L, Hkv, D], v: [B, L, Hkv, Dv], visible: [n, L] -> [B, n, H, Dv].
-
-    As ``engine.layers.attention.attention_with_sinks``, batched."""
-    rep = q.shape[2] // k.shape[2]
-    qh = q.transpose(1, 2)
-    kh = k.transpose(1, 2).repeat_interleave(rep, dim=1)
-    vh = v.transpose(1, 2).repeat_interleave(rep, dim=1)
-    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~visible, float("-inf"))
-    if sinks is not None:
-        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-        scores = torch.cat([scores, sink], dim=-1)
-    probs = scores.softmax(-1)
-    if sinks is not None:
-        probs = probs[..., :-1]
-    return torch.matmul(probs.to(vh.dtype), vh).transpose(1, 2)

@@ -208,6 +208,15 @@ def test_drafts_equal_a_from_scratch_mtp_chain(mtp_dir, mode, monkeypatch):
     """Every draft the engine makes (prefill and decode, drafts accepted or rolled back) is what
     SGLang's MTP chain computes from scratch over the whole sequence (top-1 up to float ties)."""
     llm = _llm(mtp_dir, 3, mtp_prefill=mode, enable_prefix_cache=False)
+    seen = _record_drafts(monkeypatch)
+    prompts = [_prompts(9, 1, lo=30, hi=31)[0], _prompts(10, 1, lo=3, hi=4)[0]]
+    _tokens(llm, prompts, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
+    assert len(seen) >= 2 * 4
+    _assert_drafts_match(llm.model, seen)
+
+
+def _record_drafts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[int], list[int]]]:
+    """(the request's tokens, its drafts) for every step that drafted, from now on."""
     seen: list[tuple[list[int], list[int]]] = []
     real = Drafter.run
 
@@ -216,10 +225,11 @@ def test_drafts_equal_a_from_scratch_mtp_chain(mtp_dir, mode, monkeypatch):
         seen.extend((j.seq.token_ids, list(j.drafts)) for j in jobs if j.draft and j.drafts)
 
     monkeypatch.setattr(Drafter, "run", run)
-    prompts = [_prompts(9, 1, lo=30, hi=31)[0], _prompts(10, 1, lo=3, hi=4)[0]]
-    _tokens(llm, prompts, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
-    assert len(seen) >= 2 * 4
-    model = llm.model
+    return seen
+
+
+def _assert_drafts_match(model, seen: list[tuple[list[int], list[int]]]) -> None:  # noqa: ANN001
+    """Every draft is the from-scratch chain's top-1 (up to float ties)."""
     for tokens, drafts in seen:
         ref_logits = _reference_draft_logits(model, tokens, drafts)
         for k, (logits, d) in enumerate(zip(ref_logits, drafts)):
@@ -261,14 +271,7 @@ def test_a_cache_hit_needs_no_mtp_recompute(mtp_dir, monkeypatch, new):
     turn1 = _prompts(41, 1, lo=40, hi=41)[0]
     [out1] = llm.generate([turn1], params)
     turn2 = [*turn1, *out1.token_ids, *_prompts(42, 1, lo=new, hi=new + 1)[0]]
-    seen: list[tuple[list[int], list[int]]] = []
-    real = Drafter.run
-
-    def run(self, jobs):  # noqa: ANN001, ANN202 (records what the engine drafted)
-        real(self, jobs)
-        seen.extend((j.seq.token_ids, list(j.drafts)) for j in jobs if j.draft and j.drafts)
-
-    monkeypatch.setattr(Drafter, "run", run)
+    seen = _record_drafts(monkeypatch)
     seq = llm.engine.make_sequence("turn2", turn2, params)
     llm.engine.add(seq)
     rows = 0
@@ -281,10 +284,7 @@ def test_a_cache_hit_needs_no_mtp_recompute(mtp_dir, monkeypatch, new):
     assert isinstance(seq.mtp, MTPState) and seq.mtp.start == [1, 2, 3], "not resumed"
     assert rows <= 3 * (len(turn2) - hit + 6 + 3), (rows, hit, len(turn2))
     assert seen
-    for tokens, drafts in seen:
-        ref_logits = _reference_draft_logits(llm.model, tokens, drafts)
-        for k, (logits, d) in enumerate(zip(ref_logits, drafts)):
-            assert logits[d] >= logits.max() - 1e-4, (k, len(tokens), drafts)
+    _assert_drafts_match(llm.model, seen)
 
 
 def test_swa_aware_prefill_computes_o_k2_w_rows(mtp_dir):
