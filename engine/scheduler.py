@@ -97,10 +97,12 @@ class Scheduler:
         batch: list[Scheduled] = []
         failed: list[Sequence] = []
         # decodes first (one token each), then prefill chunks; by priority within each
-        for seq in sorted(self.running, key=lambda s: (s.num_uncomputed > 1, *_priority_key(s))):
+        for seq in sorted(self.running, key=_step_key):
             if budget == 0 or seq not in self.running:
                 continue
-            todo = seq.num_uncomputed + (len(seq.draft_ids) if seq.num_uncomputed == 1 else 0)
+            todo = seq.num_uncomputed
+            if todo == 1:
+                todo += len(seq.draft_ids)
             n = self._reserve_running(seq, min(todo, budget), batch)
             if n:
                 batch.append(Scheduled(seq, n))
@@ -222,3 +224,8 @@ class Scheduler:
 
 def _priority_key(seq: Sequence) -> tuple[int, int]:
     return (-seq.priority, seq.arrival)
+
+
+def _step_key(seq: Sequence) -> tuple[bool, int, int]:
+    """Decodes first, then prefill chunks; by ``_priority_key`` within each."""
+    return (seq.num_uncomputed > 1, -seq.priority, seq.arrival)

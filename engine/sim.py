@@ -63,8 +63,8 @@ class SimRunner:
             loads: Sequence[object] = ()) -> SampleOutput | None:
         """``loads``: the native runner's host pages to copy; none on the sim (no KV bytes)."""
         self.advance_clock(batch, pages)
-        sampling = [s.seq for s in batch if s.samples]
-        if not sampling:
+        sampling = [s.seq for s in batch if s.seq.num_computed + s.query_len >= s.seq.num_tokens]
+        if not sampling:  # NOTE: s.samples inlined (it runs per request per step)
             return None
         return self.sample(sampling)
 
@@ -93,11 +93,14 @@ class SimRunner:
         """Price one step with the cost model: ``last_step_s``, and ``clock_s`` moves by it.
         Only ``seq_len`` of each request's pages is read."""
         # NOTE: a verify step (a decode with MTP drafts) prices its rows as decode tokens
-        decode = sum(s.query_len for s in batch if s.query_len == 1 or s.num_drafts)
+        if self.speculative_tokens:
+            decode = sum(s.query_len for s in batch if s.query_len == 1 or s.num_drafts)
+            drafted = self.speculative_tokens * sum(1 for s in batch if s.samples)
+        else:
+            decode, drafted = sum(1 for s in batch if s.query_len == 1), 0
         prefill = sum(s.query_len for s in batch) - decode
         # attention work: every query token attends to the keys before it (quadratic in prefill)
         read = sum(s.query_len * p.seq_len for s, p in zip(batch, pages))
-        drafted = self.speculative_tokens * sum(1 for s in batch if s.samples)
         self.last_step_s = self.cost.step_time(prefill, decode, read, drafted)
         self.clock_s += self.last_step_s
 

@@ -119,10 +119,7 @@ class PageAllocator:
             )
         slots = self._slots[kind]
         out: list[int] = []
-        while len(out) < n:
-            chunk = self._lowest_open(kind)
-            if chunk is None:
-                chunk = self._open_chunk(kind)
+        while len(out) < n and (chunk := self._lowest_open(kind)) is not None:
             free = self._chunk_free_slots[chunk]
             taken = sorted(free)[: n - len(out)]
             free.difference_update(taken)
@@ -130,6 +127,18 @@ class PageAllocator:
             self._num_open_slots[kind] -= len(taken)
             if not free:
                 self._open[kind].discard(chunk)
+        # NOTE: then the lowest free chunks, lowest slots first; a chunk taken whole (most of
+        # them, and every SWA chunk of one slot) is never marked open
+        free_chunks, chunk_kind = self._free_chunks, self._chunk_kind
+        while len(out) < n:
+            chunk = heapq.heappop(free_chunks)
+            chunk_kind[chunk] = kind
+            taken = min(slots, n - len(out))
+            out.extend(range(chunk * slots, chunk * slots + taken))
+            if taken < slots:
+                self._chunk_free_slots[chunk] = set(range(taken, slots))
+                self._num_open_slots[kind] += slots - taken
+                self._mark_open(kind, chunk)
         self._num_used[kind] += n
         return out
 
@@ -141,21 +150,25 @@ class PageAllocator:
                 repeated in ``page_ids``); nothing is freed.
         """
         located = self._check_in_use(kind, list(page_ids))
+        slots, chunk_free, is_open = self._slots[kind], self._chunk_free_slots, self._open[kind]
+        self._num_open_slots[kind] += len(located)
         for chunk, slot in located:
-            free = self._chunk_free_slots[chunk]
+            free = chunk_free[chunk]
             free.add(slot)
-            self._num_open_slots[kind] += 1
-            if len(free) == self._slots[kind]:
+            if len(free) == slots:
                 self._close_chunk(kind, chunk)
-            elif chunk not in self._open[kind]:
+            elif chunk not in is_open:
                 self._mark_open(kind, chunk)
         self._num_used[kind] -= len(located)
 
     # -- private ----------------------------------------------------------------------------
 
     def _check_in_use(self, kind: PageKind, page_ids: list[int]) -> list[tuple[int, int]]:
-        located = [self.locate(kind, p) for p in page_ids]
-        if len(set(page_ids)) != len(page_ids):
+        slots = self._slots[kind]
+        limit = self.num_chunks * slots
+        located = [divmod(p, slots) if 0 <= p < limit else self.locate(kind, p)  # (raises)
+                   for p in page_ids]
+        if len(page_ids) > 1 and len(set(page_ids)) != len(page_ids):
             dup = sorted({p for p in page_ids if page_ids.count(p) > 1})
             raise ValueError(f"{kind.name} pages {dup} appear more than once in one free")
         for page_id, (chunk, slot) in zip(page_ids, located):
@@ -168,14 +181,6 @@ class PageAllocator:
         while heap and heap[0] not in live:
             self._in_heap[kind].discard(heapq.heappop(heap))
         return heap[0] if heap else None
-
-    def _open_chunk(self, kind: PageKind) -> int:
-        chunk = heapq.heappop(self._free_chunks)
-        self._chunk_kind[chunk] = kind
-        self._chunk_free_slots[chunk] = set(range(self._slots[kind]))
-        self._num_open_slots[kind] += self._slots[kind]
-        self._mark_open(kind, chunk)
-        return chunk
 
     def _mark_open(self, kind: PageKind, chunk: int) -> None:
         self._open[kind].add(chunk)

@@ -115,6 +115,8 @@ class KVManager:
 
     def can_reserve(self, seq: Sequence, num_new_tokens: int, evict: bool = True) -> bool:
         n = self.pages_needed(seq, num_new_tokens)
+        if n == 0:
+            return True  # NOTE: most decode steps (nothing to allocate, nothing to evict)
         n_swa = n if self.has_swa else 0
         if evict:
             return self.cache.evict(n, n_swa)
@@ -141,12 +143,13 @@ class KVManager:
         """Record that the step computed ``num_new_tokens``; cache the pages it completed."""
         seq.num_computed += num_new_tokens
         p = self.page_size
-        while (len(seq.path) + 1) * p <= seq.num_computed:
-            self._insert_page(seq)
-        if self.has_swa:
+        if (len(seq.path) + 1) * p <= seq.num_computed:
+            self._insert_pages(seq, seq.num_computed // p)
+        pinned = seq.swa_pinned
+        if pinned:
             first = swa_first_needed_page(seq.num_computed, self.window, 0, p)
-            while seq.swa_pinned and seq.swa_pinned[0].depth < first:
-                self.cache.unpin(seq.swa_pinned.popleft(), full=False, swa=True)
+            while pinned and pinned[0].depth < first:
+                self.cache.unpin(pinned.popleft(), full=False, swa=True)
         if seq.branch_node is not None and len(seq.path) > seq.branch_node.depth:
             # an observed branch point: the request recomputed the window it lacked
             self.cache.mark_checkpoint(seq.path[seq.branch_node.depth])
@@ -156,6 +159,8 @@ class KVManager:
             pages = pos // p  # the hint's page-aligned floor, reached by this step?
             if before < pages * p <= seq.num_computed and pages >= 1:
                 self.cache.mark_checkpoint(seq.path[pages - 1])
+        if before >= len(seq.prompt_ids):
+            return  # NOTE: periodic checkpoints fall on newly computed prompt tokens only
         for pos in periodic_checkpoints(
             before, seq.num_computed, len(seq.prompt_ids), self.checkpoint_interval_tokens
         ):
@@ -340,38 +345,48 @@ class KVManager:
         while len(self._ends) > self.max_finished_ends:
             self._ends.popitem(last=False)
 
-    def _insert_page(self, seq: Sequence) -> None:
-        i = len(seq.path)
-        lo, hi = i * self.page_size, (i + 1) * self.page_size
-        n = len(seq.prompt_ids)
-        if not self.cache.keep_tokens:
-            tokens = None
-        elif hi <= n:
-            tokens = seq.prompt_ids[lo:hi]
-        else:
-            tokens = tuple(seq.token(j) for j in range(lo, hi))
-        if i < len(seq.page_hashes):
-            h = seq.page_hashes[i]
-        else:
-            prev = seq.page_hashes[-1] if seq.page_hashes else None
-            page = tokens or tuple(seq.token(j) for j in range(lo, hi))
-            h = page_hash(prev, page, salt_seed(seq.cache_salt))
-            seq.page_hashes.append(h)
-        parent = seq.path[-1] if seq.path else None
-        full = seq.pending_full.pop(0)
-        swa = seq.pending_swa.pop(0) if self.has_swa else None
-        node = self.cache.insert(parent, h, full, swa, tokens)
-        mtp = seq.mtp_pages.pop(i, None)
-        if swa is not None and node.swa_page == swa:
-            node.mtp = mtp  # NOTE: the SWA page (and its MTP KV) is this request's
-        elif swa is not None and node.mtp is None:
-            seq.mtp_taint = hi  # NOTE: another request's SWA page, its MTP KV unknown
-        if parent is not None:
-            self.cache.unpin(parent, full=True, swa=False)
-        seq.path.append(node)
-        if swa is not None:
-            seq.swa_pinned.append(node)
+    def _insert_pages(self, seq: Sequence, end: int) -> None:
+        """Put pages [len(path), end) into the tree (one ``insert_chain``), the full pin moving
+        to the last, each keeping its SWA pin (the window slides in ``commit``).
 
+            page index   0 ...... start ........... end ...... (pending)
+            owner        the tree  | these pages: pending_full[:k], pending_swa[:k] -> tree
+        """
+        start, p, n = len(seq.path), self.page_size, len(seq.prompt_ids)
+        k = end - start
+        tokens: list[tuple[int, ...] | None] = []
+        for i in range(start, end):
+            lo, hi = i * p, (i + 1) * p
+            if not self.cache.keep_tokens:
+                tokens.append(None)
+            elif hi <= n:
+                tokens.append(seq.prompt_ids[lo:hi])
+            else:
+                tokens.append(tuple(seq.token(j) for j in range(lo, hi)))
+        hashes = seq.page_hashes
+        assert len(hashes) >= start, "the path's pages have their hashes (admit, commit)"
+        for i in range(len(hashes), end):
+            prev = hashes[-1] if hashes else None
+            page = tokens[i - start] or tuple(seq.token(j) for j in range(i * p, (i + 1) * p))
+            hashes.append(page_hash(prev, page, salt_seed(seq.cache_salt)))
+        parent = seq.path[-1] if seq.path else None
+        full = seq.pending_full[:k]
+        del seq.pending_full[:k]
+        if self.has_swa:
+            swa: list[int | None] = list(seq.pending_swa[:k])
+            del seq.pending_swa[:k]
+        else:
+            swa = [None] * k
+        nodes = self.cache.insert_chain(parent, hashes[start:end], full, swa, tokens)
+        for i, node, swa_page in zip(range(start, end), nodes, swa):
+            mtp = seq.mtp_pages.pop(i, None) if seq.mtp_pages else None
+            if swa_page is not None and node.swa_page == swa_page:
+                node.mtp = mtp  # NOTE: the SWA page (and its MTP KV) is this request's
+            elif swa_page is not None and node.mtp is None:
+                seq.mtp_taint = (i + 1) * p  # NOTE: another request's SWA page, MTP KV unknown
+        seq.path += nodes
+        if self.has_swa:
+            seq.swa_pinned.extend(nodes)
 
 def periodic_checkpoints(
     before: int, num_computed: int, prompt_len: int, interval_tokens: int

@@ -115,10 +115,11 @@ class PagedBatch:
         self._writes = {k: self._init_slot_mapping(k) for k in kinds}
         self._reads = {k: [self._init_reads(i, k) for i in self._prefill_ids] for k in kinds}
         self._decode_reads = {k: self._init_decode_reads(k) for k in kinds if self._decode_ids}
+        # NOTE: the flat rows of the decode sequences, needed only beside prefills
         self._decode_rows = torch.tensor(
             [self._offsets[i] + j for i in self._decode_ids for j in range(self.seqs[i].query_len)],
             dtype=torch.int64, device=pool.device,
-        )
+        ) if self._prefill_ids and self._decode_ids else None
 
     @property
     def num_tokens(self) -> int:
@@ -151,9 +152,9 @@ class PagedBatch:
 
     def _attend_decodes(self, q: torch.Tensor, kind: PageKind, spec: AttentionSpec) -> torch.Tensor:
         reads = self._decode_reads[kind]
-        kv = self.pool.read_slots(spec.layer_id, reads.slots)  # [B, L, Hkv, D + Dv]
-        keys, values = kv[..., : q.shape[-1]], kv[..., q.shape[-1] :]
-        return decode_attention_with_sinks(q, keys, values, reads.hidden, spec.scale, spec.sinks)
+        kv = self.pool.read_slots(spec.layer_id, reads.slots, heads_first=True)  # [Hkv, B, L, ..]
+        return decode_attention_with_sinks(q, kv, q.shape[-1], reads.hidden, spec.scale,
+                                           spec.sinks)
 
     def _attend_one(self, reads: _SeqReads, q: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
         kv = self.pool.read_slots(spec.layer_id, reads.slots)  # [L, Hkv, D + Dv]
@@ -167,16 +168,20 @@ class PagedBatch:
         page_ids: list[int] = []
         offsets: list[int] = []
         for i, seq in enumerate(self.seqs):
-            first_page = seq.num_cached // size
-            held = self._pages(seq, kind)[first_page : num_pages(seq.seq_len, size)]
-            for j, page in enumerate(held, start=first_page):
-                assert page is not None, (
+            lo, hi = seq.num_cached, seq.seq_len
+            first = lo // size
+            held = self._pages(seq, kind)[first : (hi - 1) // size + 1]
+            if None in held:
+                j = first + held.index(None)
+                raise AssertionError(
                     f"sequence {i}: {kind.name} page {j} was released but this step writes it"
                 )
-            written = [page for page in held if page is not None]
-            positions = range(seq.num_cached, seq.seq_len)
-            page_ids += [written[p // size - first_page] for p in positions]
-            offsets += [p % size for p in positions]
+            if hi - lo == 1:  # NOTE: a decode, most rows of most steps
+                page_ids.append(held[0])  # type: ignore[arg-type]
+                offsets.append(lo % size)
+                continue
+            page_ids += [held[p // size - first] for p in range(lo, hi)]  # type: ignore[misc]
+            offsets += [p % size for p in range(lo, hi)]
         device = self.pool.device
         where = self.pool.locate(kind, torch.tensor(page_ids, dtype=torch.int64, device=device))
         return where, torch.tensor(offsets, dtype=torch.int64, device=device)
@@ -221,16 +226,18 @@ class PagedBatch:
         """[B, L] slot rows of each sequence's keys first_pos .. seq_len - 1, left-aligned (a
         short row repeats its last key), and each row's number of keys."""
         size, device = self.layout.page_size, self.pool.device
-        grid, starts, num_keys = [], [], []
-        for seq in seqs:
-            first_pos, first_page, read = self._read_pages(seq, kind)
-            grid.append(read)
+        reads = [self._read_pages(seq, kind) for seq in seqs]
+        width = max(len(read) for _, _, read in reads)
+        flat: list[int] = []  # NOTE: one flat list, one tensor: per step, per kind
+        starts, num_keys = [], []
+        for seq, (first_pos, first_page, read) in zip(seqs, reads):
+            flat += read
+            flat += read[-1:] * (width - len(read))
             starts.append(first_pos - first_page * size)  # first key's column in its page row
             num_keys.append(seq.seq_len - first_pos)
-        width = max(len(row) for row in grid)
-        ids = torch.tensor([row + row[-1:] * (width - len(row)) for row in grid], device=device)
+        ids = torch.tensor(flat, device=device).view(len(seqs), width, 1)
         offsets = torch.arange(size, device=device)
-        rows = self.pool.slot_rows(kind, ids[:, :, None], offsets).view(len(seqs), -1)
+        rows = self.pool.slot_rows(kind, ids, offsets).view(len(seqs), -1)
         start = torch.tensor(starts, device=device)[:, None]
         last = start + torch.tensor(num_keys, device=device)[:, None] - 1
         col = (start + torch.arange(max(num_keys), device=device)).minimum(last)
@@ -238,16 +245,24 @@ class PagedBatch:
 
     def _read_pages(self, seq: SeqPages, kind: PageKind) -> tuple[int, int, list[int]]:
         """(first position read, first page read, the page ids read) for one sequence."""
-        size, window = self.layout.page_size, self.layout.window
-        first_pos = 0 if kind == PageKind.FULL else max(seq.min_pos, seq.num_cached - window)
-        first_page, end_page = first_pos // size, num_pages(seq.seq_len, size)
-        read = self._pages(seq, kind)[first_page:end_page]
-        for i, page in enumerate(read, start=first_page):
-            assert page is not None, (
+        size = self.layout.page_size
+        if kind == PageKind.FULL:
+            first_pos, pages = 0, seq.full_pages
+        else:
+            first_pos, pages = max(seq.min_pos, seq.num_cached - self.layout.window), seq.swa_pages
+        first_page, end_page = first_pos // size, -(-seq.seq_len // size)
+        assert len(pages) >= end_page, (
+            f"{kind.name} pages cover {len(pages)} pages, positions up to {seq.seq_len} need "
+            f"{end_page}"
+        )
+        read = pages[first_page:end_page]
+        if None in read:
+            i = first_page + read.index(None)
+            raise AssertionError(
                 f"{kind.name} page {i} (positions [{i * size}, {(i + 1) * size})) was released "
                 f"but a query at position {seq.num_cached} reads from position {first_pos}"
             )
-        return first_pos, first_page, [page for page in read if page is not None]
+        return first_pos, first_page, read  # type: ignore[return-value]
 
     def _pages(self, seq: SeqPages, kind: PageKind) -> Sequence[int | None]:
         pages = seq.full_pages if kind == PageKind.FULL else seq.swa_pages

@@ -61,6 +61,11 @@ class KVPool:
             for kind in kinds
             for index, layer_id in enumerate(layout.layer_ids(kind))
         }
+        # NOTE: per KV head, [rows, head_dim + v_head_dim] over the same rows (heads_first reads)
+        self._head_views = {
+            layer_id: _split_heads(view, layout.head_dims(layout.layer_index(layer_id)[0]))
+            for layer_id, view in self._slot_views.items()
+        }
 
     @property
     def total_bytes(self) -> int:
@@ -135,15 +140,27 @@ class KVPool:
         start = chunk * self.arena.shape[1] + slot * self.layout.page_elems(kind)
         return (start + offsets * self.layout.token_elems(kind)) // self._row_step[kind]
 
-    def read_slots(self, layer_id: int, rows: torch.Tensor) -> torch.Tensor:
+    def read_slots(self, layer_id: int, rows: torch.Tensor, heads_first: bool = False
+                   ) -> torch.Tensor:
         """K and V of ``layer_id`` in the token slots at ``rows`` (from ``slot_rows``), one copy.
 
         Returns:
-            [*rows.shape, kv_heads, head_dim + v_head_dim]; K first on the last dim.
+            [*rows.shape, kv_heads, head_dim + v_head_dim]; K first on the last dim. With
+            ``heads_first``: [kv_heads, *rows.shape, head_dim + v_head_dim], each head's slots
+            gathered on their own (the layout batched decode attention multiplies without a
+            copy: one batch dim over heads and rows).
         """
         kind, _ = self.layout.layer_index(layer_id)
         num_kv_heads, head_dim, v_head_dim = self.layout.head_dims(kind)
-        kv = self._slot_views[layer_id].index_select(0, rows.reshape(-1))
+        flat = rows.reshape(-1)
+        if heads_first and num_kv_heads > 1:
+            out = self.arena.new_empty(num_kv_heads, flat.numel(), head_dim + v_head_dim)
+            for h, view in enumerate(self._head_views[layer_id]):
+                torch.index_select(view, 0, flat, out=out[h])
+            return out.view(num_kv_heads, *rows.shape, head_dim + v_head_dim)
+        kv = self._slot_views[layer_id].index_select(0, flat)
+        if heads_first:  # NOTE: one head: the same bytes, a leading dim of 1
+            return kv.view(1, *rows.shape, head_dim + v_head_dim)
         return kv.view(*rows.shape, num_kv_heads, head_dim + v_head_dim)
 
     def _slot_view(self, kind: PageKind, index: int) -> torch.Tensor:
@@ -176,3 +193,13 @@ class KVPool:
         )
         # NOTE: slicing keeps each row's inner dim contiguous, so .view can split it (no copy).
         return self.arena[:, : slots * page_elems].view(shape)
+
+
+def _split_heads(view: torch.Tensor, head_dims: tuple[int, int, int]) -> list[torch.Tensor]:
+    """One [rows, head_dim + v_head_dim] view per KV head of a slot view ([rows, token_elems])."""
+    num_kv_heads, head_dim, v_head_dim = head_dims
+    size = head_dim + v_head_dim
+    if num_kv_heads == 1:
+        return [view]
+    return [view.as_strided((view.shape[0], size), view.stride(), view.storage_offset() + h * size)
+            for h in range(num_kv_heads)]

@@ -172,6 +172,73 @@ class PrefixCache:
         The tree takes ownership of the given pages. If the page is already cached, the given
         duplicates are freed, except that a given SWA page revives a tombstone.
         """
+        return self._insert(parent, page_hash, full_page, swa_page, token_ids)
+
+    def insert_chain(
+        self,
+        parent: Node | None,
+        page_hashes: Sequence[int],
+        full_pages: Sequence[int],
+        swa_pages: Sequence[int | None],
+        token_ids: Sequence[tuple[int, ...] | None],
+    ) -> list[Node]:
+        """Add a chain of pages, each under the one before (the first under ``parent``), moving
+        the caller's full pin down it; returns the nodes now in the tree, in chain order.
+
+        The same as, page by page, ``insert`` and then ``unpin(previous, full=True, swa=False)``
+        (``parent`` included when it is not None: the caller must hold a full pin on it), events
+        included: the last node keeps a full pin, each node given an SWA page an SWA pin. One
+        call for a step's run of completed pages (a prefill chunk) instead of two a page.
+        """
+        if not self.enabled:
+            return self._insert_chain_one_by_one(parent, page_hashes, full_pages, swa_pages,
+                                                 token_ids)
+        nodes: list[Node] = []
+        prev, insert, swa_heap = parent, self._insert, self._swa_heap
+        for h, full, swa, tokens in zip(page_hashes, full_pages, swa_pages, token_ids,
+                                        strict=True):
+            node = insert(prev, h, full, swa, tokens)
+            if prev is not None:
+                # NOTE: unpin(prev, full=True) inlined: prev has a child now, so it is neither a
+                # deletable leaf nor a tombstone leaf; only its SWA may become history
+                assert prev.full_refs > 0, f"unbalanced full unpin: {prev}"
+                prev.full_refs -= 1
+                if prev.swa_page is not None and prev.swa_refs == 0 and prev.ckpt_refs == 0:
+                    self._push(swa_heap, prev.swa_access, prev)
+            nodes.append(node)
+            prev = node
+        return nodes
+
+    def _insert_chain_one_by_one(
+        self,
+        parent: Node | None,
+        page_hashes: Sequence[int],
+        full_pages: Sequence[int],
+        swa_pages: Sequence[int | None],
+        token_ids: Sequence[tuple[int, ...] | None],
+    ) -> list[Node]:
+        """``insert_chain`` as its definition says (the cache off frees pages as it unpins)."""
+        nodes: list[Node] = []
+        prev = parent
+        for h, full, swa, tokens in zip(page_hashes, full_pages, swa_pages, token_ids,
+                                        strict=True):
+            node = self._insert(prev, h, full, swa, tokens)
+            if prev is not None:
+                self.unpin(prev, full=True, swa=False)
+            nodes.append(node)
+            prev = node
+        return nodes
+
+    def _insert(
+        self,
+        parent: Node | None,
+        page_hash: int,
+        full_page: int,
+        swa_page: int | None,
+        token_ids: tuple[int, ...] | None,
+    ) -> Node:
+        """``insert``'s body; NOTE: the per-page hot path, with ``_emit``, ``_set_swa_access``
+        and ``_offer`` inlined."""
         node = self._index.get(page_hash) if self.enabled else None
         if node is not None:
             assert node.parent is parent, f"page hash {page_hash} cached under another parent"
@@ -182,20 +249,25 @@ class PrefixCache:
             elif swa_page is not None:
                 self.allocator.free(PageKind.SWA, [swa_page])
         else:
-            node = Node(
-                page_hash, parent, full_page, swa_page, token_ids if self.keep_tokens else None
-            )
+            tokens = token_ids if self.keep_tokens else None
+            node = Node(page_hash, parent, full_page, swa_page, tokens)
             if parent is not None:
                 parent.num_children += 1
             if self.enabled:
                 self._index[page_hash] = node
-                self._emit("stored", node)
+                if self.on_event is not None:  # _emit("stored", node)
+                    parent_hash = parent.page_hash if parent is not None else None
+                    swa = self.has_swa and swa_page is not None
+                    self.on_event(CacheEvent("stored", page_hash, parent_hash, tokens, swa))
         node.full_refs += 1
         if swa_page is not None:
             node.swa_refs += 1
-        node.access = next(self._tick)
-        self._set_swa_access(node, node.access)
-        self._offer(node)
+        tick = node.access = node.swa_access = next(self._tick)
+        if node.is_ckpt_end:  # _set_swa_access(node, tick)
+            self._push(self._ckpt_heap, tick, node)
+        # _offer(node): pinned (full), so never a deletable leaf; its SWA may be history
+        if node.swa_page is not None and node.swa_refs == 0 and node.ckpt_refs == 0:
+            self._push(self._swa_heap, tick, node)
         return node
 
     def restore_swa(self, node: Node, swa_page: int) -> None:
@@ -226,6 +298,8 @@ class PrefixCache:
         if not self.enabled:
             self._drop_unpinned(node)
             return
+        if node.swa_refs:
+            return  # NOTE: SWA still pinned: neither history nor a leaf to delete (_offer's tests)
         if self._is_tombstone_leaf(node):
             # NOTE: it happens when a request's last full page lost its SWA while the request ran
             # (W < page: the window sat in the partial page); left to LRU, such pages outlived
@@ -296,7 +370,12 @@ class PrefixCache:
 
         Returns whether it can now. Never touches a pinned page.
         """
-        while not self.allocator.can_allocate(num_full, num_swa):
+        can_allocate, history = self.allocator.can_allocate, self._swa_heap
+        while not can_allocate(num_full, num_swa):
+            node = self._pop(history)  # NOTE: _evict_one's first choice, without its set-up
+            if node is not None:
+                self._drop_swa(node)
+                continue
             # NOTE: TTL retention protects against ordinary pressure, never to the point of
             # failing a request: when nothing else is left, retained pages go too.
             if not self._evict_one() and not self._evict_one(ignore_retention=True):
@@ -386,13 +465,14 @@ class PrefixCache:
     def _drop_swa(self, node: Node) -> None:
         """Tombstone a history page (no checkpoint needs it, nobody pins it)."""
         assert node.swa_page is not None and node.swa_refs == 0 and node.ckpt_refs == 0, node
-        self.allocator.free(PageKind.SWA, [node.swa_page])
+        self.allocator.free(PageKind.SWA, (node.swa_page,))
         node.swa_page = None
         self.stats.evicted_swa_pages += 1
-        if self._is_tombstone_leaf(node):
-            self._delete_leaf(node)  # NOTE: announced as removed, which implies the SWA too
-        else:
-            self._emit("swa_dropped", node)
+        if self.has_swa and node.num_children == 0 and node.full_refs == 0:
+            self._delete_leaf(node)  # NOTE: a tombstone leaf, announced as removed (SWA too)
+        elif self.on_event is not None:  # _emit("swa_dropped", node)
+            parent = node.parent.page_hash if node.parent is not None else None
+            self.on_event(CacheEvent("swa_dropped", node.page_hash, parent))
 
     def _drop_checkpoint(self, end: Node) -> None:
         if not end.is_ckpt_end:
@@ -520,9 +600,11 @@ class PrefixCache:
 
     @staticmethod
     def _peek(heap: _LazyHeap) -> tuple[int, int, Node] | None:
+        key, valid = heap.key, heap.valid  # NOTE: heap.is_live inlined (per evicted page)
         while heap:
-            if heap.is_live(heap[0]):
-                return heap[0]
+            entry = heap[0]
+            if entry[0] == key(entry[2]) and valid(entry[2]):
+                return entry
             heapq.heappop(heap)  # stale entry
         return None
 

@@ -7,13 +7,15 @@ the attention output. ``attention_with_sinks`` is the reference math every CPU b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.rotary import apply_rotary
+from engine.layers.rotary import Rope, apply_rotary
 from engine.model_config import SWA, ModelConfig
 
 
@@ -78,33 +80,42 @@ def attention_with_sinks(
 
 def decode_attention_with_sinks(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    kv: torch.Tensor,
+    head_dim: int,
     hidden: torch.Tensor | None,
     scale: float,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """``attention_with_sinks`` for B sequences of one query each, every key visible but padding.
 
-    GQA without copies: the query heads of one KV head form the rows of one matmul against it.
+    GQA without copies of K or V: the query heads of one KV head form the rows of one matmul
+    against it, and (KV head, sequence) pairs form one batch dim, so each matmul is one ``bmm``
+    over contiguous K|V rows (as ``KVPool.read_slots(..., heads_first=True)`` gathers them).
 
     Args:
-        q: [B, H, D]; k: [B, L, Hkv, D]; v: [B, L, Hkv, Dv] (may be strided views).
+        q: [B, H, D]; kv: [Hkv, B, L, D + Dv], K first on the last dim (``head_dim`` = D).
         hidden: [B, L] bool, True where a key column is padding (its V must be finite: it gets
             probability 0, and 0 * NaN is NaN), or None when no column is.
     Returns:
         [B, H, Dv]
     """
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
-    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, rep, D]
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [B, Hkv, rep, L]
+    batch, num_heads, _ = q.shape
+    num_kv_heads, _, length, _ = kv.shape
+    rep = num_heads // num_kv_heads
+    kv = kv.view(num_kv_heads * batch, length, -1)
+    keys, values = kv[..., :head_dim], kv[..., head_dim:]
+    # NOTE: with one KV head these are views; with more, q (B * H * D elements) is copied
+    qg = q.view(batch, num_kv_heads, rep, head_dim).transpose(0, 1).reshape(-1, rep, head_dim)
+    scores = torch.bmm(qg, keys.transpose(1, 2)) * scale  # [Hkv * B, rep, L]
     if hidden is not None:
-        scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
-    sink = None if sinks is None else sinks.view(1, num_kv_heads, -1, 1)
+        mask = hidden[None, :, None, :].expand(num_kv_heads, -1, -1, -1)
+        scores = scores.masked_fill(mask.reshape(-1, 1, length), float("-inf"))
+    sink = None
+    if sinks is not None:
+        sink = sinks.view(num_kv_heads, 1, rep, 1).expand(-1, batch, -1, -1).reshape(-1, rep, 1)
     probs = _softmax_with_sinks(scores, sink)
-    out = torch.matmul(probs.to(v.dtype), v.permute(0, 2, 1, 3))  # [B, Hkv, rep, Dv]
-    return out.reshape(batch, num_heads, -1)
+    out = torch.bmm(probs.to(values.dtype), values)  # [Hkv * B, rep, Dv]
+    return out.view(num_kv_heads, batch, rep, -1).transpose(0, 1).reshape(batch, num_heads, -1)
 
 
 def visible_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -136,20 +147,48 @@ class Attention(nn.Module):
         self.attention_sink_bias = (
             nn.Parameter(torch.empty(geo.num_heads)) if geo.has_sink else None
         )
+        self._stack_qkv()
 
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: KVContext
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv: KVContext) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.v_head_dim) * self.v_scale
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = F.linear(x, self._qkv_weight, self._qkv_bias)  # one matmul for q, k and v
+        # NOTE: q and k heads side by side share one rotation (same tables, same head_dim)
+        qk = apply_rotary(qkv[:, : (heads + kv_heads) * self.head_dim]
+                          .view(n, heads + kv_heads, self.head_dim), rope)
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, (heads + kv_heads) * self.head_dim :].view(n, kv_heads, self.v_head_dim)
+        if self.v_scale != 1.0:
+            v = v * self.v_scale
         spec = AttentionSpec(
             self.layer_id, self.head_dim**-0.5, self.window, self.attention_sink_bias
         )
         out = kv.attend(q, k, v, spec)
-        return self.o_proj(out.reshape(n, self.num_heads * self.v_head_dim))
+        return F.linear(out.reshape(n, heads * self.v_head_dim), self.o_proj.weight)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Attention:
+        # NOTE: to(), to_empty(), float(), ... give q/k/v new storage; stack them again so the
+        # checkpoint's parameters stay views of the fused weight
+        super()._apply(fn, recurse)
+        self._stack_qkv()
+        return self
+
+    @torch.no_grad()
+    def _stack_qkv(self) -> None:
+        """One [q; k; v] weight (and bias) whose rows the three projections' parameters view,
+        so a step runs one matmul and a loader's in-place copy into ``q_proj.weight`` lands in
+        it. Each output row is its own row's dot product, as with three matmuls."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        weight = torch.cat([p.weight for p in projs])
+        bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
+        start = 0
+        for p in projs:
+            rows = p.weight.shape[0]
+            p.weight.data = weight[start : start + rows]
+            if bias is not None:
+                p.bias.data = bias[start : start + rows]
+            start += rows
+        self._qkv_weight, self._qkv_bias = weight, bias
 
 
 def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -160,6 +199,9 @@ def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> tor
     if sinks is not None:
         sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
         scores = torch.cat([scores, sink], dim=-1)
-    scores = scores - scores.max(dim=-1, keepdim=True).values
+    if scores.dtype != torch.float32:
+        # NOTE: the reference subtracts the max first; in fp32 softmax's own max subtraction
+        # gives the same bits ((x - m) - 0 == x - m), in bf16 the rounded difference differs
+        scores = scores - scores.max(dim=-1, keepdim=True).values
     probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)
     return probs[..., :-1] if sinks is not None else probs

@@ -20,7 +20,7 @@ from engine.layers.attention import Attention, KVContext
 from engine.layers.mlp import MLP
 from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import Rope, RotaryEmbedding
 from engine.model_config import FULL, SPARSE, SWA, ModelConfig
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: KVContext
+        self, x: torch.Tensor, rope: Rope, kv: KVContext
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, kv)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -35,7 +35,7 @@ from torch import nn
 
 from engine.layers.attention import KVContext
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import Rope, RotaryEmbedding
 from engine.model_config import DENSE, SWA, ConfigError, ModelConfig
 from engine.models.mimo_v2 import DecoderLayer
 
@@ -89,7 +89,7 @@ class MTPLayer(DecoderLayer):
         self,
         embeds: torch.Tensor,
         hidden: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         kv: KVContext,
     ) -> MTPOutput:
         """Args: embeds, hidden: [n, hidden] aligned as in the module docstring."""

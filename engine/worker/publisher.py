@@ -187,7 +187,16 @@ class KVEventBuffer:
     def add(self, event: CacheEvent) -> None:
         last = self._runs[-1] if self._runs else None
         if last is not None and _extends(last, event):
-            _append(last, event)
+            # NOTE: _append(last, event) inlined: one call per cache event
+            h = event.page_hash
+            if h is None:
+                assert event.kind == "cleared", f"{event.kind} event without a page hash"
+                return
+            last.hashes.append(h)
+            if event.swa:
+                last.swa.append(h)
+            if last.token_ids is not None and event.token_ids is not None:
+                last.token_ids.extend(event.token_ids)
             return
         run = _Run(event.kind, event.medium, parent=event.parent_hash)
         if event.kind == "stored" and event.token_ids is not None:

@@ -61,6 +61,7 @@ model's step time (``--cost``), so a sim worker paces like a real one (``--cost 
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -244,7 +245,10 @@ class Worker:
     def _poll_timeout_ms(self) -> int:
         idle_ms = int(self.cfg.idle_poll_s * 1000)
         if self._held is not None:  # NOTE: capped, so that stop() is seen within idle_poll_s
-            return min(idle_ms, max(0, int((self._held.ready_at - time.monotonic()) * 1000)))
+            # NOTE: rounded up: a truncated wait polls with timeout 0 through the held step's
+            # last millisecond, a busy loop (~1 ms of CPU a step)
+            wait_ms = math.ceil((self._held.ready_at - time.monotonic()) * 1000)
+            return min(idle_ms, max(0, wait_ms))
         if not self.engine.has_work:
             # NOTE: a pending request (grammar, embeddings) is admitted within PENDING_POLL_MS
             # of its job's end, not a whole idle poll later

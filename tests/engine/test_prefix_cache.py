@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
 from engine.kv.allocator import PageAllocator
@@ -478,3 +478,105 @@ def test_hits_without_pressure_keep_the_eviction_heaps_bounded() -> None:
         assert len(heap) <= bound, (len(heap), bound)
     assert cache.evict(64, 32), "everything unpinned must be evictable"
     assert cache.stats.dropped_checkpoints >= 1
+
+
+# -- insert_chain: one call for a run of pages, the same as page by page ---------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    window=st.sampled_from([1, 4, 8]),
+    enabled=st.booleans(),
+    cached=_tokens,
+    tokens=_tokens,
+    start=st.integers(0, 9),
+    drop_history=st.booleans(),
+)
+def test_insert_chain_equals_page_by_page(window: int, enabled: bool, cached: list[int],
+                                          tokens: list[int], start: int,
+                                          drop_history: bool) -> None:
+    """``insert_chain`` leaves the same tree, pins, LRU heaps, allocator and events as
+    ``insert`` + ``unpin(previous, full)`` page by page, over hits (deduplicated pages),
+    revived tombstones and a pinned parent; the eviction that follows goes the same way."""
+    caches = [_make_cache(window, 64, enabled=enabled) for _ in range(2)]
+    for cache in caches:
+        _cache_chain(cache, _hashes(cached), drop_history)
+    hashes, cached_hashes = _hashes(tokens), _hashes(cached)
+    shared = next((i for i, (a, b) in enumerate(zip(hashes, cached_hashes)) if a != b),
+                  min(len(hashes), len(cached_hashes)))
+    start = min(start, shared)  # NOTE: the chain goes on from a cached page (or the root)
+    by_page, chained = caches
+    nodes = []
+    for cache in caches:
+        parent = _pinned_parent(cache, hashes[:start])
+        n = len(hashes) - start
+        full = cache.allocator.allocate(PageKind.FULL, n)
+        swa = cache.allocator.allocate(PageKind.SWA, n)
+        pages = [tuple(tokens[i * PAGE : (i + 1) * PAGE]) for i in range(start, len(hashes))]
+        if cache is chained:
+            nodes.append(cache.insert_chain(parent, hashes[start:], full, swa, pages))
+            continue
+        out, prev = [], parent
+        for h, f, s, t in zip(hashes[start:], full, swa, pages):
+            node = cache.insert(prev, h, f, s, t)
+            if prev is not None:
+                cache.unpin(prev, full=True, swa=False)
+            out.append(node)
+            prev = node
+        nodes.append(out)
+    _assert_same_caches(by_page, chained, nodes[0], nodes[1])
+    for cache, path in zip(caches, nodes):
+        for node in path:
+            cache.unpin(node, full=node is path[-1], swa=True)
+        cache.evict(64, 64)
+    _assert_same_caches(by_page, chained, [], [])
+
+
+def _cache_chain(cache: PrefixCache, hashes: list[int], drop_history: bool) -> None:
+    """Compute and release a request's pages (its end a checkpoint), then maybe tombstone the
+    history SWA."""
+    driver = _Driver(cache, {})
+    req = _Running(hashes)
+    driver.compute(req, len(hashes))
+    driver.finish(req, checkpoint=True)
+    if drop_history:
+        cache.drop_history()
+
+
+def _pinned_parent(cache: PrefixCache, prefix: list[int]) -> Node | None:
+    """The cached node at the end of ``prefix``, pinned (full) as a request's deepest page."""
+    if not prefix:
+        return None
+    node = cache.lookup(prefix[-1]) if cache.enabled else None
+    if node is None:  # NOTE: the cache off keeps nothing: a fresh chain stands in for it
+        for h in prefix:
+            page = cache.allocator.allocate(PageKind.FULL, 1)[0]
+            parent, node = node, cache.insert(node, h, page, None)
+            if parent is not None:
+                cache.unpin(parent, full=True, swa=False)
+        return node
+    assert [n.page_hash for n in node.ancestors(node.depth + 1)][::-1] == prefix
+    cache.pin(node, full=True, swa=False)
+    return node
+
+
+def _node_state(n: Node) -> tuple[object, ...]:
+    return (n.page_hash, n.depth, n.full_page, n.swa_page, n.num_children, n.token_ids,
+            n.full_refs, n.swa_refs, n.ckpt_refs, n.is_ckpt_end, n.access, n.swa_access, n.alive)
+
+
+def _assert_same_caches(a: PrefixCache, b: PrefixCache, nodes_a: list[Node],
+                        nodes_b: list[Node]) -> None:
+    assert [_node_state(n) for n in nodes_a] == [_node_state(n) for n in nodes_b]
+    assert a.events == b.events, "events differ"  # type: ignore[attr-defined]
+    state_a = sorted(_node_state(n) for n in a.nodes())
+    assert state_a == sorted(_node_state(n) for n in b.nodes()), "trees differ"
+    for kind in PageKind:
+        assert a.allocator.num_free_pages(kind) == b.allocator.num_free_pages(kind), kind
+    for heap in ("_swa_heap", "_leaf_heap", "_ckpt_heap"):
+        assert _live_entries(a, heap) == _live_entries(b, heap), f"{heap}: live entries differ"
+
+
+def _live_entries(cache: PrefixCache, name: str) -> list[tuple[int, int]]:
+    heap = getattr(cache, name)
+    return sorted({(e[0], e[2].page_hash) for e in heap if heap.is_live(e)})
