@@ -18,6 +18,9 @@ vLLM's KV events carry; ``prev`` may be given signed or unsigned.
 
 from __future__ import annotations
 
+import struct
+import sys
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,6 +32,8 @@ MAX_TOKEN_ID = 2**64 - 1
 _U32_LIMIT = 2**32
 _U64_MASK = 2**64 - 1
 _WIDE_TAG = b"\xff"
+# NOTE: an array("I") holds the u32 form's bytes as they are (``page_hashes``' fast path)
+_NATIVE_U32 = array("I").itemsize == 4 and sys.byteorder == "little"
 
 
 def salt_seed(cache_salt: str | None) -> int:
@@ -79,27 +84,56 @@ def page_hashes(
 
     Raises:
         ValueError: ``page_size < 1``, or a token id is negative, too large, or not an integer.
+
+    NOTE: an ``array("I")`` of ids (valid by its type: ``u32_ids``) skips the checks and numpy.
     """
     if page_size < 1:
         raise ValueError(f"page_size={page_size}: must be >= 1")
+    chain = _u64_bytes(salt_seed(cache_salt) if prev is None else prev)
+    if _NATIVE_U32 and isinstance(token_ids, array) and token_ids.typecode == "I":
+        num_pages = len(token_ids) // page_size
+        return _hash_u32_pages(token_ids[: num_pages * page_size].tobytes(), page_size, chain)
     ids = _as_id_array(token_ids)
     num_pages = len(ids) // page_size
     if num_pages == 0:
         return []
     pages = ids[: num_pages * page_size].reshape(num_pages, page_size)
-    chain = _u64_bytes(salt_seed(cache_salt) if prev is None else prev)
     if int(pages.max()) >= _U32_LIMIT:
         return _hash_pages_slow(pages, chain)
-    # NOTE: the fast path builds every page's bytes in one numpy call and hashes slices of it;
-    # the per-page work left in Python is one concatenation and one xxh3 call.
-    data = pages.astype("<u4").tobytes()
-    stride = 4 * page_size
-    hashes = []
-    for start in range(0, len(data), stride):
-        signed = _to_signed(xxhash.xxh3_64_intdigest(chain + data[start : start + stride]))
-        hashes.append(signed)
-        chain = _u64_bytes(signed)
-    return hashes
+    return _hash_u32_pages(pages.astype("<u4").tobytes(), page_size, chain)
+
+
+def u32_ids(token_ids: Sequence[int]) -> Sequence[int]:
+    """``token_ids`` as an ``array("I")`` for ``page_hashes``' fast path (the same hashes),
+    or as given when one does not fit a u32.
+
+    NOTE: for ids known to be ints (a ``Sequence``'s): ``array`` takes a bool as 0 or 1, where
+    ``page_hashes`` rejects it.
+    """
+    try:
+        return array("I", token_ids)
+    except (OverflowError, TypeError):
+        return token_ids
+
+
+def _hash_u32_pages(data: bytes, page_size: int, chain: bytes) -> list[int]:
+    """The chain over ``data``, pages of ``page_size`` ids as u32 little-endian.
+
+    NOTE: one numpy-free pass: each hash stays in its little-endian u64 bytes (the next page's
+    prefix), and one ``array("q")`` reads them all back as signed ints at the end;
+    ``iter_unpack`` hands out each page's bytes with no index arithmetic or slice per page
+    (the per-page hot path of a prefill).
+    """
+    chains: list[bytes] = []
+    append, digest = chains.append, xxhash.xxh3_64_intdigest
+    for (page,) in struct.iter_unpack(f"{4 * page_size}s", data):
+        chain = digest(chain + page).to_bytes(8, "little")
+        append(chain)
+    out = array("q")
+    out.frombytes(b"".join(chains))
+    if sys.byteorder != "little":
+        out.byteswap()
+    return out.tolist()
 
 
 def _hash_pages_slow(pages: np.ndarray, chain: bytes) -> list[int]:

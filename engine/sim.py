@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -77,7 +78,7 @@ class SimRunner:
         ]
         tokens = [self._token(q, ids) for q, ids in zip(sampling, allowed)]
         if all(q.params.logprobs is None for q in sampling):
-            return SampleOutput(torch.tensor(tokens), None, [None] * len(tokens))
+            return SampleOutput(_int64_tensor(tokens), None, [None] * len(tokens))
         # NOTE: the sim's "model" is uniform over the tokens it may draw from (all but the stop
         # ids, or what the grammar allows), so every choice has the same logprob.
         logprobs = torch.tensor(
@@ -87,7 +88,7 @@ class SimRunner:
             self._top(q, ids, t, float(lp))
             for q, ids, t, lp in zip(sampling, allowed, tokens, logprobs)
         ]
-        return SampleOutput(torch.tensor(tokens), logprobs, top)
+        return SampleOutput(_int64_tensor(tokens), logprobs, top)
 
     def advance_clock(self, batch: Sequence[Scheduled], pages: Sequence[SeqPages]) -> None:
         """Price one step with the cost model: ``last_step_s``, and ``clock_s`` moves by it.
@@ -175,6 +176,14 @@ class SimRunner:
         cum = filtered_probs(logits, [seq.params])[0].double().cumsum(0)
         target = torch.tensor([draw / 2**64 * float(cum[-1])], dtype=torch.float64)
         return min(int(torch.searchsorted(cum, target, right=True)), self.vocab_size - 1)
+
+
+def _int64_tensor(values: list[int]) -> torch.Tensor:
+    """``torch.tensor(values)`` (int64 [B]); NOTE: through an array's buffer, ~5x cheaper for a
+    step's tokens (the tensor keeps the array alive)."""
+    if not values:
+        return torch.tensor(values)
+    return torch.frombuffer(array("q", values), dtype=torch.int64)
 
 
 def _uniform64(key: str) -> int:

@@ -10,6 +10,14 @@ requests, and µs per prefill page (page 16), against targets of 20 and 5 µs.
    (ns; /proc/<pid>/stat ticks at 10 ms, too coarse for the paced runs). Beside each decode
    figure: the floor of the protocol alone (msgspec encode + ZeroMQ send/recv of one
    ``TokenDelta`` per token, measured here in this run) and the ratio worker / floor.
+3. paced floor: a worker paced by ``--cost h200`` sleeps between steps (~36 ms at 64 streams)
+   and wakes once a step; on a virtual machine the wake, and the work right after it on cold
+   caches, cost far more CPU than the same work back to back (``loadtest/bench_wakeups.py``).
+   The floor: part 1's engine decoding 64 running requests in this process, with one wake a
+   step (a ZeroMQ poll for the step's time, as the worker waits), beside the same steps back to
+   back and the wake alone; the h200 decode rows show the ratio worker / paced floor.
+
+Each figure with a target ends in "met" or "MISSED" (the engine's prefill: its worst round).
 
     python loadtest/bench_sim.py [--parts engine,worker] [--costs zero,h200]
 """
@@ -37,7 +45,7 @@ from engine.protocol import (
     encode,
 )
 from engine.sampling_params import SamplingParams
-from engine.sim import ZERO_COST
+from engine.sim import H200_COST, ZERO_COST
 from engine.worker.cli import tune_gc
 from engine.worker.publisher import KVEventBuffer
 from gateway.worker_process import spawn_worker
@@ -48,6 +56,7 @@ DECODE_STEPS, PREFILL_REQS, PREFILL_TOKENS, ROUNDS = 200, 64, 4096, 3
 WORKER_DECODE = {"zero": [(16, 400), (64, 400)], "h200": [(16, 120), (64, 120)]}
 WORKER_PREFILL = {"zero": (64, 4096), "h200": (16, 2048)}
 TARGET_TOKEN_US, TARGET_PAGE_US = 20.0, 5.0
+PACED_STEPS = 40  # paced floor: steps of H200_COST's decode step time at RUNNING requests
 rng = random.Random(SEED)
 
 
@@ -55,11 +64,29 @@ def prompt(n: int) -> list[int]:
     return [rng.randrange(256) for _ in range(n)]
 
 
-def bench_engine(gc_name: str) -> None:
+def verdict(us: float, target: float) -> str:
+    return f"target {target:4.1f}  {'met' if us <= target else 'MISSED'}"
+
+
+def make_engine() -> tuple[Engine, KVEventBuffer]:
     cfg = EngineConfig(backend="sim", max_running_requests=RUNNING, kv_budget_bytes=1 << 30)
     model = ModelConfig.from_dict(DEMO_CONFIG)
     events = KVEventBuffer(PAGE, model.sliding_window)
-    e = Engine(cfg, model_config=model, cost=ZERO_COST, on_cache_event=events.add)
+    return Engine(cfg, model_config=model, cost=ZERO_COST, on_cache_event=events.add), events
+
+
+def start_decode(e: Engine, events: KVEventBuffer, new: int) -> None:
+    """RUNNING requests of PROMPT tokens, prefilled: every later step decodes them all."""
+    for i in range(RUNNING):
+        params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+        e.add(e.make_sequence(f"d{i}", prompt(PROMPT), params), bounded=False)
+    while e.scheduler.waiting or any(s.num_uncomputed > 1 for s in e.scheduler.running):
+        e.step()
+        events.drain()
+
+
+def bench_engine(gc_name: str) -> None:
+    e, events = make_engine()
 
     def add(tag: str, n: int, plen: int, new: int) -> None:
         for i in range(n):
@@ -71,13 +98,11 @@ def bench_engine(gc_name: str) -> None:
         events.drain()
         return len(out)
 
-    add("d", RUNNING, PROMPT, DECODE_STEPS + 50)
-    while e.scheduler.waiting or any(s.num_uncomputed > 1 for s in e.scheduler.running):
-        step()
+    start_decode(e, events, DECODE_STEPS + 50)
     t, n = time.process_time(), sum(step() for _ in range(DECODE_STEPS))
     us = (time.process_time() - t) / n * 1e6
     print(f"engine  {gc_name:6} decode {RUNNING} running: {us:6.1f} us/token   "
-          f"(target {TARGET_TOKEN_US})")
+          f"{verdict(us, TARGET_TOKEN_US)}")
     while e.has_work:
         step()
     rounds = []
@@ -87,8 +112,38 @@ def bench_engine(gc_name: str) -> None:
         while e.has_work:
             step()
         rounds.append((time.process_time() - t) / (PREFILL_REQS * PREFILL_TOKENS // PAGE) * 1e6)
-    print(f"engine  {gc_name:6} prefill: {sum(rounds) / ROUNDS:6.1f} us/page   (rounds "
-          f"{', '.join(f'{us:.1f}' for us in rounds)}; target {TARGET_PAGE_US})")
+    print(f"engine  {gc_name:6} prefill: {max(rounds):6.1f} us/page (worst round)   "
+          f"{verdict(max(rounds), TARGET_PAGE_US)}   (rounds "
+          f"{', '.join(f'{us:.1f}' for us in rounds)})")
+
+
+def paced_floor_us() -> float:
+    """CPU per token of the engine's decode at RUNNING requests with one wake a step (a poll
+    for H200_COST's step time on an idle socket), printed beside the same steps back to back
+    and the wake alone (with the worker's GC settings)."""
+    tune_gc()
+    e, events = make_engine()
+    start_decode(e, events, 3 * PACED_STEPS + 50)
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    sock.bind_to_random_port("tcp://127.0.0.1")
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    step_ms = H200_COST.step_time(0, RUNNING, 0) * 1e3
+    us = {}
+    for label, wait_ms in (("hot", 0.0), ("paced", step_ms), ("wake", step_ms)):
+        t, n = time.process_time(), 0
+        for _ in range(PACED_STEPS):
+            if wait_ms:
+                poller.poll(wait_ms)
+            if label != "wake":
+                n += len(e.step())
+                events.drain()
+        us[label] = (time.process_time() - t) / (n or PACED_STEPS) * 1e6
+    sock.close(0)
+    print(f"paced floor (engine decode {RUNNING} running, one wake a {step_ms:.0f} ms step): "
+          f"{us['paced']:.1f} us/token   (back to back {us['hot']:.1f}; a wake alone "
+          f"{us['wake']:.0f} us = {us['wake'] / RUNNING:.1f} us/token)")
+    return us["paced"]
 
 
 def cpu_s(pid: int) -> float:
@@ -133,7 +188,7 @@ def run_worker(sock: zmq.Socket, pid: int, n: int, new: int, plen: int) -> tuple
     return cpu_s(pid) - c0, tokens
 
 
-def bench_worker(cost: str, floor_us: float) -> None:
+def bench_worker(cost: str, floor_us: float, paced_us: float | None) -> None:
     w = spawn_worker(model_dir=None, backend="sim", extra_args=["--cost", cost])
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(w.listen)
@@ -143,13 +198,17 @@ def bench_worker(cost: str, floor_us: float) -> None:
         for n, new in WORKER_DECODE[cost]:
             cpu, tokens = run_worker(sock, pid, n, new, 64)
             us = cpu / tokens * 1e6
-            print(f"worker  --cost {cost:4} decode {n:2} streams: {us:6.1f} us/token   floor "
-                  f"{floor_us:4.1f}   ratio {us / floor_us:4.1f}x   (target {TARGET_TOKEN_US})")
+            target = verdict(us, TARGET_TOKEN_US) if n == RUNNING else "(no target)"
+            paced = f"   paced floor {paced_us:4.1f}   ratio {us / paced_us:3.1f}x" if (
+                paced_us and n == RUNNING) else ""
+            print(f"worker  --cost {cost:4} decode {n:2} streams: {us:6.1f} us/token   "
+                  f"{target}   protocol floor {floor_us:4.1f}   ratio {us / floor_us:4.1f}x"
+                  f"{paced}")
         n, plen = WORKER_PREFILL[cost]
         cpu, _ = run_worker(sock, pid, n, 1, plen)
         us = cpu / (n * plen // PAGE) * 1e6
         print(f"worker  --cost {cost:4} prefill {n} x {plen}: {us:6.1f} us/page   "
-              f"(target {TARGET_PAGE_US})")
+              f"{verdict(us, TARGET_PAGE_US)}")
     finally:
         sock.close(0)
         w.stop()
@@ -168,8 +227,10 @@ def main() -> None:
     if "worker" in args.parts:
         floor_us = protocol_floor_us()
         print(f"protocol floor (encode + send/recv of one TokenDelta): {floor_us:.1f} us/token")
-        for cost in args.costs.split(","):
-            bench_worker(cost, floor_us)
+        costs = args.costs.split(",")
+        paced_us = paced_floor_us() if "h200" in costs else None
+        for cost in costs:
+            bench_worker(cost, floor_us, paced_us if cost == "h200" else None)
     print(f"bench_sim: done in {time.monotonic() - t:.0f} s (pid {os.getpid()})")
 
 

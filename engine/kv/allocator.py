@@ -93,15 +93,25 @@ class PageAllocator:
 
     def can_allocate(self, num_full: int, num_swa: int) -> bool:
         """Whether ``num_full`` full and ``num_swa`` SWA pages fit together (no side effects)."""
+        return self.frees_needed(num_full, num_swa) == 0
+
+    def frees_needed(self, num_full: int, num_swa: int) -> int:
+        """A lower bound on the pages to free (one at a time, of any kind) before
+        ``can_allocate(num_full, num_swa)`` holds; 0 when it holds now (no side effects).
+
+        NOTE: the chunks missing: a freed page either opens one slot (one fewer chunk needed at
+        most) or closes its chunk (one more free chunk, at most one more needed), so each page
+        freed lowers this by at most 1 (1 stands in for "never": a kind without slots).
+        """
         fresh_chunks = 0
         for kind, n in ((PageKind.FULL, num_full), (PageKind.SWA, num_swa)):
             assert n >= 0, f"asked for {n} {kind.name} pages"
             missing = n - self._num_open_slots[kind]
             if missing > 0:
                 if self._slots[kind] == 0:
-                    return False
+                    return 1
                 fresh_chunks += cdiv(missing, self._slots[kind])
-        return fresh_chunks <= len(self._free_chunks)
+        return max(0, fresh_chunks - len(self._free_chunks))
 
     # -- mutations --------------------------------------------------------------------------
 
@@ -129,16 +139,23 @@ class PageAllocator:
                 self._open[kind].discard(chunk)
         # NOTE: then the lowest free chunks, lowest slots first; a chunk taken whole (most of
         # them, and every SWA chunk of one slot) is never marked open
-        free_chunks, chunk_kind = self._free_chunks, self._chunk_kind
-        while len(out) < n:
-            chunk = heapq.heappop(free_chunks)
+        free_chunks, chunk_kind, heappop = self._free_chunks, self._chunk_kind, heapq.heappop
+        whole, rest = divmod(n - len(out), slots) if n > len(out) else (0, 0)
+        chunks = [heappop(free_chunks) for _ in range(whole)]
+        for chunk in chunks:
             chunk_kind[chunk] = kind
-            taken = min(slots, n - len(out))
-            out.extend(range(chunk * slots, chunk * slots + taken))
-            if taken < slots:
-                self._chunk_free_slots[chunk] = set(range(taken, slots))
-                self._num_open_slots[kind] += slots - taken
-                self._mark_open(kind, chunk)
+        if slots == 1:
+            out += chunks  # NOTE: page id = chunk (a one-slot kind: most SWA layouts)
+        else:
+            for chunk in chunks:
+                out.extend(range(chunk * slots, chunk * slots + slots))
+        if rest:
+            chunk = heappop(free_chunks)
+            chunk_kind[chunk] = kind
+            out.extend(range(chunk * slots, chunk * slots + rest))
+            self._chunk_free_slots[chunk] = set(range(rest, slots))
+            self._num_open_slots[kind] += slots - rest
+            self._mark_open(kind, chunk)
         self._num_used[kind] += n
         return out
 
@@ -160,6 +177,33 @@ class PageAllocator:
             elif chunk not in is_open:
                 self._mark_open(kind, chunk)
         self._num_used[kind] -= len(located)
+
+    def free_page(self, kind: PageKind, page_id: int) -> None:
+        """``free(kind, [page_id])`` without the lists (the cache frees pages one at a time).
+
+        Raises:
+            ValueError: the page is not in use as a page of this kind; nothing is freed.
+        """
+        slots = self._slots[kind]
+        if not 0 <= page_id < self.num_chunks * slots:
+            self.locate(kind, page_id)  # raises
+        chunk, slot = divmod(page_id, slots)
+        free = self._chunk_free_slots[chunk]
+        if self._chunk_kind[chunk] != kind or slot in free:
+            raise ValueError(f"{kind.name} page {page_id} is not in use (double free?)")
+        self._num_used[kind] -= 1
+        if len(free) == slots - 1:
+            # NOTE: _close_chunk inlined (every page of a one-slot kind closes its chunk)
+            self._open[kind].discard(chunk)  # its heap entry goes stale, dropped lazily
+            self._chunk_kind[chunk] = None
+            free.clear()
+            self._num_open_slots[kind] -= slots - 1
+            heapq.heappush(self._free_chunks, chunk)
+            return
+        free.add(slot)
+        self._num_open_slots[kind] += 1
+        if chunk not in self._open[kind]:
+            self._mark_open(kind, chunk)
 
     # -- private ----------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from engine.hashing import page_hash, page_hashes, salt_seed
+from engine.hashing import page_hash, page_hashes, salt_seed, u32_ids
 from engine.kv.allocator import PageAllocator
 from engine.kv.host_pool import HostEntry
 from engine.kv.layout import PageKind, num_pages, swa_first_needed_page, usable_pages
@@ -70,14 +70,14 @@ class KVManager:
     def admit(self, seq: Sequence) -> int:
         """Match the prefix cache for a request with nothing computed; returns cached tokens."""
         assert seq.num_computed == 0 and not seq.path and not seq.pending_full
-        num_tokens = seq.num_tokens
+        num_tokens, token_ids = seq.num_tokens, seq.token_ids
         if len(seq.page_hashes) < num_tokens // self.page_size:
             # NOTE: a caller may precompute the hashes (in-process only, e.g. a trace replay);
             # hashes from the wire are never trusted, they would cross tenant salts
-            seq.page_hashes = page_hashes(seq.token_ids, self.page_size, seq.cache_salt)
+            seq.page_hashes = page_hashes(u32_ids(token_ids), self.page_size, seq.cache_salt)
         # at least the last token is recomputed: its logits are needed
         m = self.cache.match(
-            seq.page_hashes, num_tokens - 1, seq.token_ids if self.cache.keep_tokens else None
+            seq.page_hashes, num_tokens - 1, token_ids if self.cache.keep_tokens else None
         )
         seq.path = list(m.nodes)
         seq.branch_node = m.branch_node if m.raw_tokens > 0 else None
@@ -146,10 +146,14 @@ class KVManager:
         if (len(seq.path) + 1) * p <= seq.num_computed:
             self._insert_pages(seq, seq.num_computed // p)
         pinned = seq.swa_pinned
-        if pinned:
-            first = swa_first_needed_page(seq.num_computed, self.window, 0, p)
-            while pinned and pinned[0].depth < first:
-                self.cache.unpin(pinned.popleft(), full=False, swa=True)
+        if pinned and pinned[0].depth < (
+                first := swa_first_needed_page(seq.num_computed, self.window, 0, p)):
+            out = 0
+            for node in pinned:
+                if node.depth >= first:
+                    break
+                out += 1
+            self.cache.unpin_swa([pinned.popleft() for _ in range(out)])
         if seq.branch_node is not None and len(seq.path) > seq.branch_node.depth:
             # an observed branch point: the request recomputed the window it lacked
             self.cache.mark_checkpoint(seq.path[seq.branch_node.depth])
@@ -354,15 +358,15 @@ class KVManager:
         """
         start, p, n = len(seq.path), self.page_size, len(seq.prompt_ids)
         k = end - start
-        tokens: list[tuple[int, ...] | None] = []
-        for i in range(start, end):
-            lo, hi = i * p, (i + 1) * p
-            if not self.cache.keep_tokens:
-                tokens.append(None)
-            elif hi <= n:
-                tokens.append(seq.prompt_ids[lo:hi])
-            else:
-                tokens.append(tuple(seq.token(j) for j in range(lo, hi)))
+        tokens: list[tuple[int, ...] | None]
+        if not self.cache.keep_tokens:
+            tokens = [None] * k
+        elif end * p <= n:  # NOTE: prompt pages (a prefill chunk), sliced in one go
+            prompt = seq.prompt_ids
+            tokens = [prompt[lo : lo + p] for lo in range(start * p, end * p, p)]
+        else:
+            tokens = [tuple(seq.token(j) for j in range(i * p, (i + 1) * p))
+                      for i in range(start, end)]
         hashes = seq.page_hashes
         assert len(hashes) >= start, "the path's pages have their hashes (admit, commit)"
         for i in range(len(hashes), end):

@@ -42,7 +42,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -195,9 +195,28 @@ class PrefixCache:
                                                  token_ids)
         nodes: list[Node] = []
         prev, insert, swa_heap = parent, self._insert, self._swa_heap
+        index, on_event, ticks = self._index, self.on_event, self._tick
+        has_swa, keep_tokens = self.has_swa, self.keep_tokens
         for h, full, swa, tokens in zip(page_hashes, full_pages, swa_pages, token_ids,
                                         strict=True):
-            node = insert(prev, h, full, swa, tokens)
+            if h in index:
+                node = insert(prev, h, full, swa, tokens)  # a duplicate: the general path
+            else:
+                # NOTE: _insert's new-page path inlined (the per-page hot path of a prefill): a
+                # new node is pinned (full, and SWA when it has a page) and no checkpoint end, so
+                # it goes into no heap
+                tokens = tokens if keep_tokens else None
+                node = Node(h, prev, full, swa, tokens)
+                index[h] = node
+                if prev is not None:
+                    prev.num_children += 1
+                if on_event is not None:  # _emit("stored", node)
+                    on_event(CacheEvent("stored", h, prev.page_hash if prev is not None else None,
+                                        tokens, has_swa and swa is not None))
+                node.full_refs = 1
+                if swa is not None:
+                    node.swa_refs = 1
+                node.access = node.swa_access = next(ticks)
             if prev is not None:
                 # NOTE: unpin(prev, full=True) inlined: prev has a child now, so it is neither a
                 # deletable leaf nor a tombstone leaf; only its SWA may become history
@@ -242,12 +261,12 @@ class PrefixCache:
         node = self._index.get(page_hash) if self.enabled else None
         if node is not None:
             assert node.parent is parent, f"page hash {page_hash} cached under another parent"
-            self.allocator.free(PageKind.FULL, [full_page])
+            self.allocator.free_page(PageKind.FULL, full_page)
             if swa_page is not None and node.swa_page is None:
                 node.swa_page = swa_page
                 self._emit("swa_stored", node)
             elif swa_page is not None:
-                self.allocator.free(PageKind.SWA, [swa_page])
+                self.allocator.free_page(PageKind.SWA, swa_page)
         else:
             tokens = token_ids if self.keep_tokens else None
             node = Node(page_hash, parent, full_page, swa_page, tokens)
@@ -300,13 +319,37 @@ class PrefixCache:
             return
         if node.swa_refs:
             return  # NOTE: SWA still pinned: neither history nor a leaf to delete (_offer's tests)
-        if self._is_tombstone_leaf(node):
-            # NOTE: it happens when a request's last full page lost its SWA while the request ran
-            # (W < page: the window sat in the partial page); left to LRU, such pages outlived
-            # live checkpoints
-            self._delete_leaf(node)
+        self._offer_unpinned(node)
+
+    def unpin_swa(self, nodes: Iterable[Node]) -> None:
+        """``unpin(node, full=False, swa=True)`` for each node, in order (a request's window
+        sliding past them in ``KVManager.commit``).
+
+        NOTE: the per-page hot path of a prefill, ``unpin`` and ``_offer`` inlined for a page
+        that keeps its SWA; other cases take ``unpin``'s own path.
+        """
+        if not self.enabled:
+            for node in nodes:
+                self.unpin(node, full=False, swa=True)
             return
-        self._offer(node)
+        swa_heap, leaf_heap, index = self._swa_heap, self._leaf_heap, self._index
+        heappush, seq = heapq.heappush, self._seq
+        for node in nodes:
+            assert node.swa_refs > 0, f"unbalanced SWA unpin: {node}"
+            node.swa_refs -= 1
+            if node.swa_refs:
+                continue
+            if node.swa_page is None or not node.alive:
+                self._offer_unpinned(node)
+                continue
+            if node.ckpt_refs == 0:  # _offer: history SWA
+                heappush(swa_heap, (node.swa_access, next(seq), node))
+                if len(swa_heap) > 2 * len(index) + HEAP_SLACK:
+                    self._compact(swa_heap)
+            if node.num_children == 0 and node.full_refs == 0:  # _offer: a deletable leaf
+                heappush(leaf_heap, (node.access, next(seq), node))
+                if len(leaf_heap) > 2 * len(index) + HEAP_SLACK:
+                    self._compact(leaf_heap)
 
     def mark_checkpoint(
         self, node: Node, retain_ttl_s: float | None = None, *, periodic: bool = False
@@ -370,11 +413,11 @@ class PrefixCache:
 
         Returns whether it can now. Never touches a pinned page.
         """
-        can_allocate, history = self.allocator.can_allocate, self._swa_heap
-        while not can_allocate(num_full, num_swa):
-            node = self._pop(history)  # NOTE: _evict_one's first choice, without its set-up
-            if node is not None:
-                self._drop_swa(node)
+        frees_needed = self.allocator.frees_needed
+        while (needed := frees_needed(num_full, num_swa)) > 0:
+            # NOTE: _evict_one's first choice, ``needed`` pages at a time: ``can_allocate``
+            # cannot hold before that many were freed, so checking in between changes nothing
+            if self._drop_history(needed):
                 continue
             # NOTE: TTL retention protects against ordinary pressure, never to the point of
             # failing a request: when nothing else is left, retained pages go too.
@@ -465,7 +508,7 @@ class PrefixCache:
     def _drop_swa(self, node: Node) -> None:
         """Tombstone a history page (no checkpoint needs it, nobody pins it)."""
         assert node.swa_page is not None and node.swa_refs == 0 and node.ckpt_refs == 0, node
-        self.allocator.free(PageKind.SWA, (node.swa_page,))
+        self.allocator.free_page(PageKind.SWA, node.swa_page)
         node.swa_page = None
         self.stats.evicted_swa_pages += 1
         if self.has_swa and node.num_children == 0 and node.full_refs == 0:
@@ -473,6 +516,39 @@ class PrefixCache:
         elif self.on_event is not None:  # _emit("swa_dropped", node)
             parent = node.parent.page_hash if node.parent is not None else None
             self.on_event(CacheEvent("swa_dropped", node.page_hash, parent))
+
+    def _drop_history(self, num_pages: int) -> int:
+        """Tombstone history SWA pages, least recently used first, until ``num_pages`` pages
+        were freed (deleting a tombstone leaf frees more than one) or none is left; returns the
+        pages freed. The same as ``_pop(self._swa_heap)`` then ``_drop_swa`` page by page.
+
+        NOTE: the per-evicted-page hot path: ``_peek``, ``_pop`` and ``_drop_swa``'s common case
+        inlined.
+        """
+        heap, alloc, stats, on_event = self._swa_heap, self.allocator, self.stats, self.on_event
+        free_page, heappop, swa_kind = alloc.free_page, heapq.heappop, PageKind.SWA
+        used_before = alloc.num_used_pages(PageKind.FULL) + alloc.num_used_pages(swa_kind)
+        freed = 0
+        while freed < num_pages and heap:
+            key, _, node = heappop(heap)
+            swa_page = node.swa_page
+            if (key != node.swa_access or not node.alive or swa_page is None or node.swa_refs
+                    or node.ckpt_refs):
+                continue  # stale entry (``_is_history`` no longer holds, or re-keyed)
+            if self.has_swa and node.num_children == 0 and node.full_refs == 0:
+                self._drop_swa(node)  # NOTE: deletes a tombstone leaf (and maybe its parents)
+                freed = used_before - alloc.num_used_pages(PageKind.FULL) - alloc.num_used_pages(
+                    swa_kind)
+                continue
+            free_page(swa_kind, swa_page)
+            node.swa_page = None
+            stats.evicted_swa_pages += 1
+            freed += 1
+            if on_event is not None:  # _emit("swa_dropped", node)
+                parent = node.parent
+                on_event(CacheEvent("swa_dropped", node.page_hash,
+                                    parent.page_hash if parent is not None else None))
+        return freed
 
     def _drop_checkpoint(self, end: Node) -> None:
         if not end.is_ckpt_end:
@@ -501,11 +577,11 @@ class PrefixCache:
             self._drop_checkpoint(node)  # a leaf's only covering checkpoint ends at itself
             assert node.ckpt_refs == 0, node
             if node.swa_page is not None:
-                self.allocator.free(PageKind.SWA, [node.swa_page])
+                self.allocator.free_page(PageKind.SWA, node.swa_page)
                 self.stats.evicted_swa_pages += 1
             if self._demote and self.lower is not None and self._index.get(node.page_hash) is node:
                 self.lower.store(node, (PageKind.FULL,))  # its SWA went with its checkpoint
-            self.allocator.free(PageKind.FULL, [node.full_page])
+            self.allocator.free_page(PageKind.FULL, node.full_page)
             self.stats.evicted_full_pages += 1
             node.alive = False
             if self._index.get(node.page_hash) is node:
@@ -525,7 +601,7 @@ class PrefixCache:
     def _drop_unpinned(self, node: Node) -> None:
         """Cache off: free what nobody pins any more, right away."""
         if node.swa_page is not None and node.swa_refs == 0:
-            self.allocator.free(PageKind.SWA, [node.swa_page])
+            self.allocator.free_page(PageKind.SWA, node.swa_page)
             node.swa_page = None
         if node.alive and node.num_children == 0 and node.full_refs == 0 and node.swa_refs == 0:
             self._delete_leaf(node)
@@ -557,6 +633,16 @@ class PrefixCache:
             self._push(self._swa_heap, n.swa_access, n)
         if self._is_deletable(n):
             self._push(self._leaf_heap, n.access, n)
+
+    def _offer_unpinned(self, node: Node) -> None:
+        """``unpin``'s end, for an enabled cache and a node whose SWA nobody pins any more."""
+        if self._is_tombstone_leaf(node):
+            # NOTE: it happens when a request's last full page lost its SWA while the request ran
+            # (W < page: the window sat in the partial page); left to LRU, such pages outlived
+            # live checkpoints
+            self._delete_leaf(node)
+            return
+        self._offer(node)
 
     def _touch(self, path: list[Node], usable: int) -> None:
         if not path:

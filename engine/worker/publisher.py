@@ -15,7 +15,8 @@ dispatch on the first frame.
 
 ``KVEventBuffer`` collects the prefix cache's ``CacheEvent``s during a step and turns them into
 ``engine.worker.events`` types, merging consecutive events of one kind and one medium where the
-merged event means the same (``BlockStored`` only when the pages chain). Each event carries its
+merged event means the same (``BlockStored`` only when the pages chain; the SWA news of
+consecutive ``BlockStored``s in one ``SwaBlocksStored`` after them). Each event carries its
 ``CacheEvent.medium`` ("GPU", "CPU" for L2, "GCACHE" for L3) in its ``medium`` field.
 """
 
@@ -185,36 +186,57 @@ class KVEventBuffer:
         self._runs: list[_Run] = []
 
     def add(self, event: CacheEvent) -> None:
-        last = self._runs[-1] if self._runs else None
-        if last is not None and _extends(last, event):
-            # NOTE: _append(last, event) inlined: one call per cache event
-            h = event.page_hash
-            if h is None:
-                assert event.kind == "cleared", f"{event.kind} event without a page hash"
+        kind, h, parent, tokens, swa, medium = event
+        runs = self._runs
+        if runs:
+            # NOTE: whether the event joins the last run without changing what the events say,
+            # and _append(last, event), inlined (one call per cache event). A run is one medium
+            # (a page in L2 is not one in L1); removals and checkpoint events are sets of hashes
+            # ("cleared" twice = once); one BlockStored is a chain: page i's parent is page
+            # i - 1, and the tokens must be known for every page, or the concatenated token_ids
+            # would not line up with the hashes.
+            last = runs[-1]
+            if kind == last.kind and medium == last.medium and (
+                    kind != "stored" or (last.token_ids is not None and tokens is not None
+                                         and parent == last.hashes[-1])):
+                if h is None:
+                    assert kind == "cleared", f"{kind} event without a page hash"
+                    return
+                last.hashes.append(h)
+                if swa:
+                    last.swa.append(h)
+                if tokens is not None and last.token_ids is not None:
+                    last.token_ids.extend(tokens)
                 return
-            last.hashes.append(h)
-            if event.swa:
-                last.swa.append(h)
-            if last.token_ids is not None and event.token_ids is not None:
-                last.token_ids.extend(event.token_ids)
-            return
-        run = _Run(event.kind, event.medium, parent=event.parent_hash)
-        if event.kind == "stored" and event.token_ids is not None:
+        run = _Run(kind, medium, parent=parent)
+        if kind == "stored" and tokens is not None:
             run.token_ids = []
-        if event.kind != "cleared":
+        if kind != "cleared":
             _append(run, event)
-        self._runs.append(run)
+        runs.append(run)
 
     def drain(self) -> list[KVEvent]:
         """The events collected since the last call, in order, merged; empties the buffer.
-        A ``BlockStored`` whose pages came with SWA KV is followed by a ``SwaBlocksStored``."""
+
+        The pages of consecutive ``BlockStored``s (one medium) that came with SWA KV follow
+        them in one ``SwaBlocksStored``. NOTE: not one after each: the publisher sends the SWA
+        extension in batches of its own, so a step whose requests each completed a page would
+        cost two messages a request (``EventPublisher.publish``); delaying a page's SWA news
+        past other pages' BlockStored changes nothing a router concludes (it needs the page
+        stored first, and nothing in between removes it)."""
         runs, self._runs = self._runs, []
         out: list[KVEvent] = []
+        swa: list[int] = []  # SWA pages of the stored runs since the last flush, in order
+        medium = MEDIUM_GPU
         for run in runs:
+            if swa and (run.kind != "stored" or run.medium != medium):
+                out.append(SwaBlocksStored(block_hashes=swa, window=self.window, medium=medium))
+                swa = []
             out.append(self._to_event(run))
             if run.kind == "stored" and run.swa:
-                out.append(SwaBlocksStored(block_hashes=run.swa, window=self.window,
-                                           medium=run.medium))
+                swa, medium = swa + run.swa, run.medium
+        if swa:
+            out.append(SwaBlocksStored(block_hashes=swa, window=self.window, medium=medium))
         return out
 
     def _to_event(self, run: _Run) -> KVEvent:
@@ -235,18 +257,6 @@ class KVEventBuffer:
             return SwaCheckpointDropped(block_hashes=run.hashes, medium=medium)
         assert run.kind == "cleared", f"unknown cache event kind {run.kind!r}"
         return AllBlocksCleared()  # NOTE: no medium on the wire (vLLM's has none either)
-
-
-def _extends(run: _Run, event: CacheEvent) -> bool:
-    """Whether ``event`` can join ``run`` without changing what the events say."""
-    if event.kind != run.kind or event.medium != run.medium:
-        return False  # NOTE: a run is one medium: a page in L2 is not one in L1
-    if event.kind != "stored":
-        return True  # removals, checkpoint events: a set of hashes; "cleared" twice = once
-    # NOTE: one BlockStored is a chain: page i's parent is page i - 1 (and the tokens must be
-    # known for every page, or the concatenated token_ids would not line up with the hashes).
-    return (run.token_ids is not None and event.token_ids is not None
-            and event.parent_hash == run.hashes[-1])
 
 
 def _append(run: _Run, event: CacheEvent) -> None:

@@ -152,6 +152,35 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.held[kind] -= set(pages)
         self.freed[kind] |= set(pages)
 
+    @precondition(lambda self: self.held[FULL] or self.held[SWA])
+    @rule(data=st.data(), num_full=st.integers(0, 12), num_swa=st.integers(0, 12))
+    def free_pages_one_at_a_time(self, data: st.DataObject, num_full: int, num_swa: int) -> None:
+        """``free_page`` page by page; ``frees_needed`` is 0 exactly when the pages fit, and
+        each page freed lowers it by at most 1 (the lower bound ``PrefixCache.evict`` uses)."""
+        kind = data.draw(st.sampled_from([k for k in PageKind if self.held[k]]))
+        pages = data.draw(st.lists(st.sampled_from(sorted(self.held[kind])), unique=True))
+        for page in pages:
+            before = self.alloc.frees_needed(num_full, num_swa)
+            fits = self._oracle_fits(num_full, num_swa)
+            assert (before == 0) == fits, f"frees_needed={before}, fits={fits}"
+            self.alloc.free_page(kind, page)
+            self.held[kind].discard(page)
+            self.freed[kind].add(page)
+            after = self.alloc.frees_needed(num_full, num_swa)
+            assert before - 1 <= after <= before, f"one free moved frees_needed {before} -> {after}"
+        assert (self.alloc.frees_needed(num_full, num_swa) == 0) == self._oracle_fits(
+            num_full, num_swa)
+
+    @rule(kind=st.sampled_from(PageKind), data=st.data())
+    def bad_free_page_changes_nothing(self, kind: PageKind, data: st.DataObject) -> None:
+        limit = self.alloc.num_chunks * self.slots[kind]
+        bad = data.draw(st.sampled_from([p for p in range(-1, limit + 2)
+                                         if p not in self.held[kind]]))
+        before = self._snapshot()
+        with pytest.raises(ValueError):
+            self.alloc.free_page(kind, bad)
+        assert self._snapshot() == before, "a rejected free_page changed the allocator"
+
     @rule(kind=st.sampled_from(PageKind), data=st.data())
     def bad_free_changes_nothing(self, kind: PageKind, data: st.DataObject) -> None:
         limit = self.alloc.num_chunks * self.slots[kind]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 import time
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -12,7 +13,7 @@ import xxhash
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from engine.hashing import SEED_DOMAIN, page_hash, page_hashes, salt_seed
+from engine.hashing import SEED_DOMAIN, page_hash, page_hashes, salt_seed, u32_ids
 
 _fast = settings(max_examples=80, deadline=None)
 _token_ids = st.integers(min_value=0, max_value=2**32 - 1)
@@ -191,3 +192,17 @@ def test_throughput_is_at_least_a_million_tokens_per_second() -> None:
     elapsed_s = time.perf_counter() - start
     # NOTE: measured ~15 M tokens/s from a Python list (~50 M from an ndarray); 1 M leaves room.
     assert elapsed_s < 1.0, f"1M tokens took {elapsed_s:.2f} s"
+
+
+@_fast
+@given(st.lists(_any_token_ids, max_size=40), _page_sizes, st.none() | st.text(max_size=8),
+       st.none() | st.integers(-(2**63), 2**64 - 1))
+def test_u32_array_fast_path_hashes_alike(
+    token_ids: list[int], page_size: int, salt: str | None, prev: int | None
+) -> None:
+    """``page_hashes(u32_ids(ids))`` (an ``array("I")``, or the ids as given when one does not
+    fit a u32) equals ``page_hashes(ids)``, chained from a salt or from ``prev``."""
+    ids = u32_ids(token_ids)
+    fits = all(t < 2**32 for t in token_ids)
+    assert isinstance(ids, array) == fits, f"u32_ids took {token_ids} as {type(ids).__name__}"
+    assert page_hashes(ids, page_size, salt, prev) == page_hashes(token_ids, page_size, salt, prev)

@@ -43,8 +43,13 @@ def test_stacked_weights_follow_dtype_moves_and_in_place_edits() -> None:
     inter = moe._gate_up.shape[1] // 2
     assert torch.all(moe._gate_up[3, inter:] == 0.5), "stacked gate_up missed an in-place edit"
     assert torch.all(moe._down[5] == 0), "stacked down missed an in-place edit"
+    assert moe._down_cat is None and moe._down.is_contiguous(), "bf16 keeps [E, H, I]"
+    moe = moe.float()
+    with torch.no_grad():
+        moe.experts[2].down_proj.weight.fill_(0.25)
     hidden, inter = moe._down.shape[1:]
-    assert torch.all(moe._down_cat.view(hidden, -1, inter)[:, 5] == 0), "the [H, E * I] view"
+    assert torch.all(moe._down_cat.view(hidden, -1, inter)[:, 2] == 0.25), "the [H, E * I] view"
+    assert torch.all(moe._down[2] == 0.25) and torch.all(moe._down[5] == 0)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 5, 16, 48])

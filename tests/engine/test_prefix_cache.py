@@ -580,3 +580,65 @@ def _assert_same_caches(a: PrefixCache, b: PrefixCache, nodes_a: list[Node],
 def _live_entries(cache: PrefixCache, name: str) -> list[tuple[int, int]]:
     heap = getattr(cache, name)
     return sorted({(e[0], e[2].page_hash) for e in heap if heap.is_live(e)})
+
+
+# -- unpin_swa and evict: batched, the same as one page at a time ------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    window=st.sampled_from([1, 4, 8]),
+    enabled=st.booleans(),
+    cached=st.lists(_tokens, max_size=4),
+    tokens=_tokens,
+    slide=st.integers(0, 9),
+    num_full=st.integers(0, 24),
+    num_swa=st.integers(0, 24),
+)
+def test_unpin_swa_and_evict_equal_one_page_at_a_time(
+    window: int, enabled: bool, cached: list[list[int]], tokens: list[int], slide: int,
+    num_full: int, num_swa: int,
+) -> None:
+    """``unpin_swa`` (a request's window sliding past its pages) leaves the same cache as
+    ``unpin(node, swa=True)`` node by node; ``evict``, which drops history SWA many pages at
+    a time, frees the same pages, in the same order (events), as ``_evict_one`` until the
+    allocator can hand the pages out, cascades into tombstone leaves included."""
+    caches = [_make_cache(window, 24, enabled=enabled) for _ in range(2)]
+    one_by_one, batched = caches
+    paths = []
+    for cache in caches:
+        for other in cached:
+            _cache_chain(cache, _hashes(other), drop_history=False)
+        hashes = _hashes(tokens)
+        n = len(hashes)
+        while not cache.allocator.can_allocate(n, n):
+            n -= 1
+        full = cache.allocator.allocate(PageKind.FULL, n)
+        swa = cache.allocator.allocate(PageKind.SWA, n)
+        pages = [tuple(tokens[i * PAGE : (i + 1) * PAGE]) for i in range(n)]
+        nodes = cache.insert_chain(None, hashes[:n], full, swa, pages)
+        out = nodes[: min(slide, len(nodes))]
+        if cache is batched:
+            cache.unpin_swa(out)
+        else:
+            for node in out:
+                cache.unpin(node, full=False, swa=True)
+        paths.append(nodes)
+    _assert_same_caches(one_by_one, batched, paths[0], paths[1])
+    assert batched.evict(num_full, num_swa) == _evict_one_at_a_time(one_by_one, num_full,
+                                                                     num_swa)
+    _assert_same_caches(one_by_one, batched, paths[0], paths[1])
+    for cache, path in zip(caches, paths):
+        if path:
+            cache.unpin_swa(path[min(slide, len(path)):])
+            cache.unpin(path[-1], full=True, swa=False)
+    assert batched.evict(64, 64) == _evict_one_at_a_time(one_by_one, 64, 64)
+    _assert_same_caches(one_by_one, batched, [], [])
+
+
+def _evict_one_at_a_time(cache: PrefixCache, num_full: int, num_swa: int) -> bool:
+    """``PrefixCache.evict`` as its definition says: one page (or checkpoint) at a time."""
+    while not cache.allocator.can_allocate(num_full, num_swa):
+        if not cache._evict_one() and not cache._evict_one(ignore_retention=True):
+            return False
+    return True

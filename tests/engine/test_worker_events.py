@@ -140,6 +140,31 @@ def test_pages_stored_with_their_swa_are_followed_by_swa_blocks_stored() -> None
     ]
 
 
+def test_consecutive_stored_chains_share_one_swa_blocks_stored() -> None:
+    """A decode step in which several requests each complete a page: one BlockStored per chain,
+    then one SwaBlocksStored for all their SWA pages (so the publisher sends two batches, not
+    two per request); any other event first flushes the SWA news of the chains before it."""
+    buf = KVEventBuffer(page_size=2, window=4)
+    for ev in [
+        CacheEvent("stored", 1, 10, (1, 2), swa=True), CacheEvent("stored", 2, 20, (3, 4)),
+        CacheEvent("stored", 3, 30, (5, 6), swa=True), CacheEvent("stored", 4, 3, (7, 8), swa=True),
+        CacheEvent("swa_dropped", 40),
+        CacheEvent("stored", 5, 50, (9, 9), swa=True), CacheEvent("removed", 5),
+    ]:
+        buf.add(ev)
+    assert buf.drain() == [
+        BlockStored(block_hashes=[1], parent_block_hash=10, token_ids=[1, 2], block_size=2),
+        BlockStored(block_hashes=[2], parent_block_hash=20, token_ids=[3, 4], block_size=2),
+        BlockStored(block_hashes=[3, 4], parent_block_hash=30, token_ids=[5, 6, 7, 8],
+                    block_size=2),
+        SwaBlocksStored(block_hashes=[1, 3, 4], window=4),
+        SwaBlocksDropped(block_hashes=[40]),
+        BlockStored(block_hashes=[5], parent_block_hash=50, token_ids=[9, 9], block_size=2),
+        SwaBlocksStored(block_hashes=[5], window=4),
+        BlockRemoved(block_hashes=[5]),
+    ]
+
+
 def test_kv_event_buffer_carries_the_medium_and_merges_only_within_one() -> None:
     """L2 ("CPU") and L3 ("GCACHE") events keep their medium; a run never spans two media
     (a page in host memory is not one on the device), even where the pages chain."""
