@@ -228,4 +228,4 @@ def _priority_key(seq: Sequence) -> tuple[int, int]:
 
 def _step_key(seq: Sequence) -> tuple[bool, int, int]:
     """Decodes first, then prefill chunks; by ``_priority_key`` within each."""
-    return (seq.num_uncomputed > 1, -seq.priority, seq.arrival)
+    return (seq.num_uncomputed > 1, *_priority_key(seq))

@@ -64,8 +64,8 @@ class SimRunner:
             loads: Sequence[object] = ()) -> SampleOutput | None:
         """``loads``: the native runner's host pages to copy; none on the sim (no KV bytes)."""
         self.advance_clock(batch, pages)
-        sampling = [s.seq for s in batch if s.seq.num_computed + s.query_len >= s.seq.num_tokens]
-        if not sampling:  # NOTE: s.samples inlined (it runs per request per step)
+        sampling = [s.seq for s in batch if s.samples]
+        if not sampling:
             return None
         return self.sample(sampling)
 

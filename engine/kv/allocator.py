@@ -167,16 +167,9 @@ class PageAllocator:
                 repeated in ``page_ids``); nothing is freed.
         """
         located = self._check_in_use(kind, list(page_ids))
-        slots, chunk_free, is_open = self._slots[kind], self._chunk_free_slots, self._open[kind]
-        self._num_open_slots[kind] += len(located)
-        for chunk, slot in located:
-            free = chunk_free[chunk]
-            free.add(slot)
-            if len(free) == slots:
-                self._close_chunk(kind, chunk)
-            elif chunk not in is_open:
-                self._mark_open(kind, chunk)
         self._num_used[kind] -= len(located)
+        for chunk, slot in located:
+            self._release(kind, chunk, slot)
 
     def free_page(self, kind: PageKind, page_id: int) -> None:
         """``free(kind, [page_id])`` without the lists (the cache frees pages one at a time).
@@ -184,41 +177,36 @@ class PageAllocator:
         Raises:
             ValueError: the page is not in use as a page of this kind; nothing is freed.
         """
-        slots = self._slots[kind]
-        if not 0 <= page_id < self.num_chunks * slots:
-            self.locate(kind, page_id)  # raises
-        chunk, slot = divmod(page_id, slots)
-        free = self._chunk_free_slots[chunk]
-        if self._chunk_kind[chunk] != kind or slot in free:
-            raise ValueError(f"{kind.name} page {page_id} is not in use (double free?)")
+        chunk, slot = self.locate(kind, page_id)
+        self._check_page_in_use(kind, page_id, chunk, slot)
         self._num_used[kind] -= 1
-        if len(free) == slots - 1:
-            # NOTE: _close_chunk inlined (every page of a one-slot kind closes its chunk)
-            self._open[kind].discard(chunk)  # its heap entry goes stale, dropped lazily
-            self._chunk_kind[chunk] = None
-            free.clear()
-            self._num_open_slots[kind] -= slots - 1
-            heapq.heappush(self._free_chunks, chunk)
-            return
-        free.add(slot)
-        self._num_open_slots[kind] += 1
-        if chunk not in self._open[kind]:
-            self._mark_open(kind, chunk)
+        self._release(kind, chunk, slot)
 
     # -- private ----------------------------------------------------------------------------
 
     def _check_in_use(self, kind: PageKind, page_ids: list[int]) -> list[tuple[int, int]]:
-        slots = self._slots[kind]
-        limit = self.num_chunks * slots
-        located = [divmod(p, slots) if 0 <= p < limit else self.locate(kind, p)  # (raises)
-                   for p in page_ids]
+        located = [self.locate(kind, p) for p in page_ids]
         if len(page_ids) > 1 and len(set(page_ids)) != len(page_ids):
             dup = sorted({p for p in page_ids if page_ids.count(p) > 1})
             raise ValueError(f"{kind.name} pages {dup} appear more than once in one free")
         for page_id, (chunk, slot) in zip(page_ids, located):
-            if self._chunk_kind[chunk] != kind or slot in self._chunk_free_slots[chunk]:
-                raise ValueError(f"{kind.name} page {page_id} is not in use (double free?)")
+            self._check_page_in_use(kind, page_id, chunk, slot)
         return located
+
+    def _check_page_in_use(self, kind: PageKind, page_id: int, chunk: int, slot: int) -> None:
+        if self._chunk_kind[chunk] != kind or slot in self._chunk_free_slots[chunk]:
+            raise ValueError(f"{kind.name} page {page_id} is not in use (double free?)")
+
+    def _release(self, kind: PageKind, chunk: int, slot: int) -> None:
+        """Give one checked page back: its slot opens, or its chunk closes when it was the
+        chunk's last page in use."""
+        free = self._chunk_free_slots[chunk]
+        free.add(slot)
+        self._num_open_slots[kind] += 1
+        if len(free) == self._slots[kind]:
+            self._close_chunk(kind, chunk)
+        elif chunk not in self._open[kind]:
+            self._mark_open(kind, chunk)
 
     def _lowest_open(self, kind: PageKind) -> int | None:
         heap, live = self._open_heap[kind], self._open[kind]

@@ -246,16 +246,10 @@ class PagedBatch:
     def _read_pages(self, seq: SeqPages, kind: PageKind) -> tuple[int, int, list[int]]:
         """(first position read, first page read, the page ids read) for one sequence."""
         size = self.layout.page_size
-        if kind == PageKind.FULL:
-            first_pos, pages = 0, seq.full_pages
-        else:
-            first_pos, pages = max(seq.min_pos, seq.num_cached - self.layout.window), seq.swa_pages
-        first_page, end_page = first_pos // size, -(-seq.seq_len // size)
-        assert len(pages) >= end_page, (
-            f"{kind.name} pages cover {len(pages)} pages, positions up to {seq.seq_len} need "
-            f"{end_page}"
-        )
-        read = pages[first_page:end_page]
+        first_pos = 0 if kind == PageKind.FULL else max(seq.min_pos,
+                                                        seq.num_cached - self.layout.window)
+        first_page = first_pos // size
+        read = self._pages(seq, kind)[first_page : num_pages(seq.seq_len, size)]
         if None in read:
             i = first_page + read.index(None)
             raise AssertionError(

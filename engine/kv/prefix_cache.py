@@ -190,60 +190,30 @@ class PrefixCache:
         included: the last node keeps a full pin, each node given an SWA page an SWA pin. One
         call for a step's run of completed pages (a prefill chunk) instead of two a page.
         """
-        if not self.enabled:
-            return self._insert_chain_one_by_one(parent, page_hashes, full_pages, swa_pages,
-                                                 token_ids)
         nodes: list[Node] = []
-        prev, insert, swa_heap = parent, self._insert, self._swa_heap
-        index, on_event, ticks = self._index, self.on_event, self._tick
-        has_swa, keep_tokens = self.has_swa, self.keep_tokens
+        prev, insert, enabled, swa_heap = parent, self._insert, self.enabled, self._swa_heap
+        index, ticks = self._index, self._tick
         for h, full, swa, tokens in zip(page_hashes, full_pages, swa_pages, token_ids,
                                         strict=True):
-            if h in index:
+            if not enabled or h in index:
                 node = insert(prev, h, full, swa, tokens)  # a duplicate: the general path
             else:
-                # NOTE: _insert's new-page path inlined (the per-page hot path of a prefill): a
-                # new node is pinned (full, and SWA when it has a page) and no checkpoint end, so
-                # it goes into no heap
-                tokens = tokens if keep_tokens else None
-                node = Node(h, prev, full, swa, tokens)
-                index[h] = node
-                if prev is not None:
-                    prev.num_children += 1
-                if on_event is not None:  # _emit("stored", node)
-                    on_event(CacheEvent("stored", h, prev.page_hash if prev is not None else None,
-                                        tokens, has_swa and swa is not None))
+                # NOTE: _insert's new-page path specialized (the per-page hot path of a
+                # prefill): a new node is pinned (full, and SWA when it has a page) and ends no
+                # checkpoint, so it goes into no heap
+                node = self._new_node(prev, h, full, swa, tokens)
                 node.full_refs = 1
-                if swa is not None:
-                    node.swa_refs = 1
+                node.swa_refs = 1 if swa is not None else 0
                 node.access = node.swa_access = next(ticks)
-            if prev is not None:
+            if prev is not None and not enabled:
+                self.unpin(prev, full=True, swa=False)  # NOTE: the cache off frees as it unpins
+            elif prev is not None:
                 # NOTE: unpin(prev, full=True) inlined: prev has a child now, so it is neither a
                 # deletable leaf nor a tombstone leaf; only its SWA may become history
                 assert prev.full_refs > 0, f"unbalanced full unpin: {prev}"
                 prev.full_refs -= 1
                 if prev.swa_page is not None and prev.swa_refs == 0 and prev.ckpt_refs == 0:
                     self._push(swa_heap, prev.swa_access, prev)
-            nodes.append(node)
-            prev = node
-        return nodes
-
-    def _insert_chain_one_by_one(
-        self,
-        parent: Node | None,
-        page_hashes: Sequence[int],
-        full_pages: Sequence[int],
-        swa_pages: Sequence[int | None],
-        token_ids: Sequence[tuple[int, ...] | None],
-    ) -> list[Node]:
-        """``insert_chain`` as its definition says (the cache off frees pages as it unpins)."""
-        nodes: list[Node] = []
-        prev = parent
-        for h, full, swa, tokens in zip(page_hashes, full_pages, swa_pages, token_ids,
-                                        strict=True):
-            node = self._insert(prev, h, full, swa, tokens)
-            if prev is not None:
-                self.unpin(prev, full=True, swa=False)
             nodes.append(node)
             prev = node
         return nodes
@@ -256,8 +226,8 @@ class PrefixCache:
         swa_page: int | None,
         token_ids: tuple[int, ...] | None,
     ) -> Node:
-        """``insert``'s body; NOTE: the per-page hot path, with ``_emit``, ``_set_swa_access``
-        and ``_offer`` inlined."""
+        """``insert``'s body (and ``insert_chain``'s, page by page); NOTE: the per-page hot path,
+        with ``_emit``, ``_set_swa_access`` and ``_offer`` inlined."""
         node = self._index.get(page_hash) if self.enabled else None
         if node is not None:
             assert node.parent is parent, f"page hash {page_hash} cached under another parent"
@@ -268,16 +238,7 @@ class PrefixCache:
             elif swa_page is not None:
                 self.allocator.free_page(PageKind.SWA, swa_page)
         else:
-            tokens = token_ids if self.keep_tokens else None
-            node = Node(page_hash, parent, full_page, swa_page, tokens)
-            if parent is not None:
-                parent.num_children += 1
-            if self.enabled:
-                self._index[page_hash] = node
-                if self.on_event is not None:  # _emit("stored", node)
-                    parent_hash = parent.page_hash if parent is not None else None
-                    swa = self.has_swa and swa_page is not None
-                    self.on_event(CacheEvent("stored", page_hash, parent_hash, tokens, swa))
+            node = self._new_node(parent, page_hash, full_page, swa_page, token_ids)
         node.full_refs += 1
         if swa_page is not None:
             node.swa_refs += 1
@@ -287,6 +248,22 @@ class PrefixCache:
         # _offer(node): pinned (full), so never a deletable leaf; its SWA may be history
         if node.swa_page is not None and node.swa_refs == 0 and node.ckpt_refs == 0:
             self._push(self._swa_heap, tick, node)
+        return node
+
+    def _new_node(self, parent: Node | None, page_hash: int, full_page: int,
+                  swa_page: int | None, token_ids: tuple[int, ...] | None) -> Node:
+        """A page not in the tree yet, under ``parent``: indexed and announced when the cache
+        is on; no pins or LRU entries yet (the caller's)."""
+        tokens = token_ids if self.keep_tokens else None
+        node = Node(page_hash, parent, full_page, swa_page, tokens)
+        if parent is not None:
+            parent.num_children += 1
+        if self.enabled:
+            self._index[page_hash] = node
+            if self.on_event is not None:  # _emit("stored", node), per inserted page
+                parent_hash = parent.page_hash if parent is not None else None
+                swa = self.has_swa and swa_page is not None
+                self.on_event(CacheEvent("stored", page_hash, parent_hash, tokens, swa))
         return node
 
     def restore_swa(self, node: Node, swa_page: int) -> None:
@@ -332,8 +309,7 @@ class PrefixCache:
             for node in nodes:
                 self.unpin(node, full=False, swa=True)
             return
-        swa_heap, leaf_heap, index = self._swa_heap, self._leaf_heap, self._index
-        heappush, seq = heapq.heappush, self._seq
+        push, swa_heap, leaf_heap = self._push, self._swa_heap, self._leaf_heap
         for node in nodes:
             assert node.swa_refs > 0, f"unbalanced SWA unpin: {node}"
             node.swa_refs -= 1
@@ -343,13 +319,9 @@ class PrefixCache:
                 self._offer_unpinned(node)
                 continue
             if node.ckpt_refs == 0:  # _offer: history SWA
-                heappush(swa_heap, (node.swa_access, next(seq), node))
-                if len(swa_heap) > 2 * len(index) + HEAP_SLACK:
-                    self._compact(swa_heap)
+                push(swa_heap, node.swa_access, node)
             if node.num_children == 0 and node.full_refs == 0:  # _offer: a deletable leaf
-                heappush(leaf_heap, (node.access, next(seq), node))
-                if len(leaf_heap) > 2 * len(index) + HEAP_SLACK:
-                    self._compact(leaf_heap)
+                push(leaf_heap, node.access, node)
 
     def mark_checkpoint(
         self, node: Node, retain_ttl_s: float | None = None, *, periodic: bool = False
@@ -511,43 +483,31 @@ class PrefixCache:
         self.allocator.free_page(PageKind.SWA, node.swa_page)
         node.swa_page = None
         self.stats.evicted_swa_pages += 1
-        if self.has_swa and node.num_children == 0 and node.full_refs == 0:
-            self._delete_leaf(node)  # NOTE: a tombstone leaf, announced as removed (SWA too)
-        elif self.on_event is not None:  # _emit("swa_dropped", node)
-            parent = node.parent.page_hash if node.parent is not None else None
-            self.on_event(CacheEvent("swa_dropped", node.page_hash, parent))
+        if self._is_tombstone_leaf(node):
+            self._delete_leaf(node)  # NOTE: announced as removed, which implies the SWA too
+        else:
+            self._emit("swa_dropped", node)
 
     def _drop_history(self, num_pages: int) -> int:
         """Tombstone history SWA pages, least recently used first, until ``num_pages`` pages
         were freed (deleting a tombstone leaf frees more than one) or none is left; returns the
-        pages freed. The same as ``_pop(self._swa_heap)`` then ``_drop_swa`` page by page.
-
-        NOTE: the per-evicted-page hot path: ``_peek``, ``_pop`` and ``_drop_swa``'s common case
-        inlined.
-        """
-        heap, alloc, stats, on_event = self._swa_heap, self.allocator, self.stats, self.on_event
-        free_page, heappop, swa_kind = alloc.free_page, heapq.heappop, PageKind.SWA
-        used_before = alloc.num_used_pages(PageKind.FULL) + alloc.num_used_pages(swa_kind)
+        pages freed. The same as ``_pop(self._swa_heap)`` then ``_drop_swa`` page by page,
+        without a ``_peek`` per page (the per-evicted-page hot path)."""
+        heap, alloc, drop_swa = self._swa_heap, self.allocator, self._drop_swa
+        used_before = alloc.num_used_pages(PageKind.FULL) + alloc.num_used_pages(PageKind.SWA)
         freed = 0
         while freed < num_pages and heap:
-            key, _, node = heappop(heap)
-            swa_page = node.swa_page
-            if (key != node.swa_access or not node.alive or swa_page is None or node.swa_refs
-                    or node.ckpt_refs):
+            entry = heapq.heappop(heap)
+            if not heap.is_live(entry):
                 continue  # stale entry (``_is_history`` no longer holds, or re-keyed)
+            node = entry[2]
             if self.has_swa and node.num_children == 0 and node.full_refs == 0:
-                self._drop_swa(node)  # NOTE: deletes a tombstone leaf (and maybe its parents)
+                drop_swa(node)  # NOTE: deletes a tombstone leaf (and maybe its parents)
                 freed = used_before - alloc.num_used_pages(PageKind.FULL) - alloc.num_used_pages(
-                    swa_kind)
+                    PageKind.SWA)
                 continue
-            free_page(swa_kind, swa_page)
-            node.swa_page = None
-            stats.evicted_swa_pages += 1
+            drop_swa(node)
             freed += 1
-            if on_event is not None:  # _emit("swa_dropped", node)
-                parent = node.parent
-                on_event(CacheEvent("swa_dropped", node.page_hash,
-                                    parent.page_hash if parent is not None else None))
         return freed
 
     def _drop_checkpoint(self, end: Node) -> None:
@@ -686,11 +646,9 @@ class PrefixCache:
 
     @staticmethod
     def _peek(heap: _LazyHeap) -> tuple[int, int, Node] | None:
-        key, valid = heap.key, heap.valid  # NOTE: heap.is_live inlined (per evicted page)
         while heap:
-            entry = heap[0]
-            if entry[0] == key(entry[2]) and valid(entry[2]):
-                return entry
+            if heap.is_live(heap[0]):
+                return heap[0]
             heapq.heappop(heap)  # stale entry
         return None
 

@@ -109,7 +109,7 @@ class MoE(nn.Module):
         )
         if x.shape[0] > self._dense_max_tokens:
             return self._forward_per_expert(x, weights, expert_ids)
-        if self._down_cat is not None and x.dtype == torch.float32:
+        if self._down_cat is not None:  # NOTE: fp32 weights (``_stack_experts``)
             return self._forward_folded(x, weights, expert_ids)
         return self._forward_dense(x, weights, expert_ids)
 

@@ -186,34 +186,22 @@ class KVEventBuffer:
         self._runs: list[_Run] = []
 
     def add(self, event: CacheEvent) -> None:
-        kind, h, parent, tokens, swa, medium = event
+        kind, _, parent, tokens, _, medium = event
         runs = self._runs
-        if runs:
-            # NOTE: whether the event joins the last run without changing what the events say,
-            # and _append(last, event), inlined (one call per cache event). A run is one medium
-            # (a page in L2 is not one in L1); removals and checkpoint events are sets of hashes
-            # ("cleared" twice = once); one BlockStored is a chain: page i's parent is page
-            # i - 1, and the tokens must be known for every page, or the concatenated token_ids
-            # would not line up with the hashes.
-            last = runs[-1]
-            if kind == last.kind and medium == last.medium and (
-                    kind != "stored" or (last.token_ids is not None and tokens is not None
-                                         and parent == last.hashes[-1])):
-                if h is None:
-                    assert kind == "cleared", f"{kind} event without a page hash"
-                    return
-                last.hashes.append(h)
-                if swa:
-                    last.swa.append(h)
-                if tokens is not None and last.token_ids is not None:
-                    last.token_ids.extend(tokens)
-                return
-        run = _Run(kind, medium, parent=parent)
-        if kind == "stored" and tokens is not None:
-            run.token_ids = []
-        if kind != "cleared":
-            _append(run, event)
-        runs.append(run)
+        last = runs[-1] if runs else None
+        # NOTE: whether the event joins the last run without changing what the events say,
+        # inlined (one check per cache event). A run is one medium (a page in L2 is not one in
+        # L1); removals and checkpoint events are sets of hashes ("cleared" twice = once); one
+        # BlockStored is a chain: page i's parent is page i - 1, and the tokens must be known
+        # for every page, or the concatenated token_ids would not line up with the hashes.
+        if last is None or kind != last.kind or medium != last.medium or (
+                kind == "stored" and (last.token_ids is None or tokens is None
+                                      or parent != last.hashes[-1])):
+            last = _Run(kind, medium, parent=parent)
+            if kind == "stored" and tokens is not None:
+                last.token_ids = []
+            runs.append(last)
+        _append(last, event)
 
     def drain(self) -> list[KVEvent]:
         """The events collected since the last call, in order, merged; empties the buffer.
