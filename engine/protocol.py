@@ -290,6 +290,8 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True, kw_only=True):
             and ``hibernated_sessions``, sessions written out and dropped.
         mtp_*: MTP speculation since start (issue 14; 0 without ``--mtp``): request-steps
             that verified drafts, the draft tokens verified, and those accepted.
+        unsupported_hints: hints the worker's backend accepted and ignored since start
+            (``Retain`` and ``retain_ttl_s`` on the sglang backend; always 0 on the native one).
     """
 
     worker_id: str
@@ -315,6 +317,7 @@ class LoadReport(msgspec.Struct, tag="load_report", frozen=True, kw_only=True):
     mtp_verify_steps: int = 0
     mtp_draft_tokens: int = 0
     mtp_accepted_tokens: int = 0
+    unsupported_hints: int = 0
 
 
 class Replies(msgspec.Struct, tag="replies", frozen=True, kw_only=True):

@@ -363,7 +363,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
-    from engine.worker.cli import add_engine_arguments
+    from engine.worker.cli import BACKENDS, add_engine_arguments
 
     add = serve.add_argument
     add("--model", help="model directory (default: the demo model)")
@@ -373,8 +373,9 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="attach to a worker started elsewhere (repeatable)")
     add("--host", default="127.0.0.1", help="address to listen on")
     add("--port", type=int, default=8000, help="port to listen on")
-    add("--backend", choices=("native", "sim"), default="native",
-        help="backend of the spawned workers")
+    add("--backend", choices=BACKENDS, default="native",
+        help="backend of the spawned workers (sglang: SGLang on a GPU, --model required; "
+             "README \"Serving with SGLang\")")
     add("--redis", metavar="URL", default=None,
         help="keep sessions in Redis (redis://host:port/db; default: in memory)")
     add("--gateway-procs", type=int, default=1, metavar="N",

@@ -318,6 +318,9 @@ class GatewayMetrics:
             ("verify_steps", "Request-steps that verified MTP drafts (its last LoadReport)"),
             ("draft_tokens", "MTP draft tokens verified (its last LoadReport)"),
             ("accepted_tokens", "MTP draft tokens accepted (its last LoadReport)"))}
+        hints = _counter("worker_unsupported_hints", "Retention hints (Retain, retain_ttl_s) "
+                         "the worker's backend accepted and ignored (the sglang backend has no "
+                         "retention; its last LoadReport)", labels)
         for client in self.dispatcher.clients:
             key = [client.endpoint]
             up.add_metric(key, float(client.is_alive))
@@ -327,12 +330,15 @@ class GatewayMetrics:
             if client.is_alive and (load := client.last_load) is not None:
                 running.add_metric(key, load.num_running)
                 waiting.add_metric(key, load.num_waiting)
+                if load.unsupported_hints:
+                    hints.add_metric(key, load.unsupported_hints)
                 if load.mtp_verify_steps:
                     for name, value in (("verify_steps", load.mtp_verify_steps),
                                         ("draft_tokens", load.mtp_draft_tokens),
                                         ("accepted_tokens", load.mtp_accepted_tokens)):
                         mtp[name].add_metric(key, value)
-        yield from (up, in_flight, running, waiting, reconnects, new_instances, *mtp.values())
+        yield from (up, in_flight, running, waiting, reconnects, new_instances, hints,
+                    *mtp.values())
         retries = _counter("dispatch_retries", "Requests moved to another worker before their "
                            "first token, by reason (worker_lost, overloaded)", ["reason"])
         for reason in ("worker_lost", "overloaded"):

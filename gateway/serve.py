@@ -35,6 +35,8 @@ from gateway.worker_process import (
     spawn_worker,
 )
 
+# NOTE: SGLang loads weights, captures CUDA graphs and profiles memory before it serves
+SGLANG_START_TIMEOUT_S = 900.0
 ENCODER_START_LINE = re.compile(r"encoder listening on (\S+)")
 
 __all__ = ["ANY_PORT", "START_LINE", "START_TIMEOUT_S", "ServeError", "WorkerProcess", "serve",
@@ -259,7 +261,9 @@ def _spawner(model_dir: Path, backend: str, worker_args: Sequence[str]) -> Any:
         # restarted worker binds a new free port and announces it in its Welcome
         return spawn_worker(model_dir=model_dir, backend=backend, worker_id=worker_id,
                             extra_args=worker_args, listen=listen, events=events,
-                            die_with_parent=True, cancel=cancel, replay=ANY_PORT)
+                            die_with_parent=True, cancel=cancel, replay=ANY_PORT,
+                            timeout_s=SGLANG_START_TIMEOUT_S if backend == "sglang" else (
+                                START_TIMEOUT_S))
 
     return spawn
 

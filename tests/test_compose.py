@@ -32,7 +32,8 @@ from gateway.cli import _build_parser
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
-VARIANTS = {"default": (), "sim": ("sim",)}  # variant -> the profiles it activates
+# variant -> the profiles it activates
+VARIANTS = {"default": (), "sim": ("sim",), "sglang": ("sglang",)}
 CONDITIONS = ("service_started", "service_healthy", "service_completed_successfully")
 WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]")
 
@@ -79,7 +80,7 @@ def test_dockerfile_writes_the_model_the_services_serve() -> None:
     argv = shlex.split(line)
     assert _cli_error(argv) is None, f"Dockerfile: agentgate {line}: {_cli_error(argv)}"
     for name, svc_argv in _agentgate_commands():
-        if svc_argv[0] == "serve" or (svc_argv[0] == "worker" and _backend(svc_argv) == "native"):
+        if svc_argv[0] == "serve" or (svc_argv[0] == "worker" and _backend(svc_argv) != "sim"):
             assert _flag(svc_argv, "--model") == argv[2], (
                 f"service {name}: --model {_flag(svc_argv, '--model')}, the image has {argv[2]}")
     installs = re.findall(r"pip install .*", text)
@@ -91,6 +92,27 @@ def test_dockerfile_writes_the_model_the_services_serve() -> None:
     uncopied = [p for p in packages if f"COPY {p} /src/{p}" not in text]
     assert not uncopied, f"the Dockerfile does not copy the packages {uncopied} into /src"
     assert re.search(r'^ENTRYPOINT \["agentgate"\]', text, re.M)
+
+
+def test_the_sglang_image_has_agentgate_and_the_model_its_worker_serves() -> None:
+    """Dockerfile.sglang (profile ``sglang``): every package, the same model path, no CPU torch
+    over SGLang's CUDA build, not root."""
+    text = (ROOT / "Dockerfile.sglang").read_text()
+    [line] = re.findall(r"agentgate (model init [^\s&;\\]+)", text)
+    model = shlex.split(line)[2]
+    served = []
+    for name, svc in _services().items():
+        build = svc.get("build")
+        if isinstance(build, dict) and build.get("dockerfile") == "Dockerfile.sglang":
+            argv = _command(svc)
+            assert _backend(argv) == "sglang" and _flag(argv, "--model") == model, name
+            served.append(name)
+    assert served, "no service runs Dockerfile.sglang's image"
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert all(f"COPY {p.rstrip('*')} /src/{p.rstrip('*')}" in text
+               for p in find["find"]["include"])
+    assert not re.findall(r"pip install .*torch", text)
+    assert re.search(r"^USER (?!root|0\b)", text, re.M)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -110,7 +132,8 @@ def test_gateway_workers_are_services_on_those_ports(variant: str) -> None:
                 f"{_flag(worker, '--listen')}")
             others = [_host_port(_flag(worker, f))[1] for f in ("--events", "--replay")]
             assert len({port, *others}) == 3, f"{host}: ports {port}, {others}"
-            assert _backend(worker) == ("sim" if "sim" in VARIANTS[variant] else "native"), host
+            backend = next((b for b in ("sim", "sglang") if b in VARIANTS[variant]), "native")
+            assert _backend(worker) == backend, host
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 # torch-free; tests/gateway/test_serve_cli.py checks that the two agree.
 COSTS = ("cpu", "h200", "zero")
 DEFAULT_MAX_QUEUED_PER_CLIENT = 512  # NOTE: engine.worker.config's, repeated for the same reason
+BACKENDS = ("native", "sim", "sglang")
 DEFAULT_EMBED_CACHE_MB = 64  # NOTE: engine.worker.config.DEFAULT_EMBED_CACHE_BYTES, likewise
 PARENT_POLL_S = 0.5
 # NOTE (issue 15): the young generation is collected every this many allocations, not 700: a
@@ -58,7 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--events", required=True, help="PUB endpoint for KV events (topic kv) and load "
                                         "reports (topic load)")
     add("--replay", help="ROUTER endpoint for KV event replay (default: none)")
-    add("--backend", choices=("native", "sim"), help="default native (or AGENTGATE_BACKEND)")
+    add("--backend", choices=BACKENDS,
+        help="default native (or AGENTGATE_BACKEND); sglang runs SGLang in-process on a GPU "
+             "(pip install 'agentgate[sglang]')")
     add("--worker-id", help="name in Welcome and LoadReport (default host-pid)")
     add("--parent-pid", type=int, help="stop when this process dies (agentgate serve sets it)")
     add("--curve-keys", metavar="DIR",
@@ -156,6 +159,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> list[argparse
         add("--max-queued-per-client", type=int, default=DEFAULT_MAX_QUEUED_PER_CLIENT,
             metavar="N", help="requests one client (a gateway process) may have waiting in the "
                               "worker; more are refused as overloaded (default: %(default)s)"),
+        add("--tp", type=int, default=1, metavar="N",
+            help="sglang backend: tensor-parallel GPUs per worker (default: %(default)s)"),
+        add("--sglang-arg", action="append", default=[], metavar="KEY=VALUE", dest="sglang_args",
+            help="sglang backend: one of SGLang's server arguments (repeatable; VALUE is read "
+                 "as JSON when it parses, e.g. mem_fraction_static=0.8, "
+                 "swa_full_tokens_ratio=0.5, skip_tokenizer_init=false)"),
     ]
 
 
@@ -167,8 +176,11 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         value = getattr(args, action.dest, action.default)
         if value == action.default:
             continue
-        argv += [action.option_strings[0]] if action.nargs == 0 else [
-            action.option_strings[0], str(value)]
+        flag = action.option_strings[0]
+        if isinstance(value, list):  # NOTE: an append flag: once per value
+            argv += [part for item in value for part in (flag, str(item))]
+        else:
+            argv += [flag] if action.nargs == 0 else [flag, str(value)]
     return argv
 
 
@@ -215,6 +227,10 @@ def run(args: argparse.Namespace) -> int:
         if os.getppid() != args.parent_pid:  # NOTE: the parent died before prctl took effect
             logger.warning("parent process %d is gone before the start", args.parent_pid)
             return 0
+    if (args.backend or os.environ.get("AGENTGATE_BACKEND")) == "sglang":
+        from engine.sglang_backend.cli import run as run_sglang
+
+        return run_sglang(args)
     from engine.worker.server import Worker, WorkerConfig
 
     engine_cfg = engine_config(args)
@@ -247,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    from engine.sglang_backend.launch import SGLangUnavailable  # NOTE: imports no SGLang
     from engine.worker import server
 
     description = (server.__doc__ or "").split("\n\n")[0]
@@ -255,7 +272,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run(args)
-    except (AssertionError, ValueError, FileNotFoundError, zmq.ZMQError) as e:
+    except (AssertionError, ValueError, FileNotFoundError, zmq.ZMQError, SGLangUnavailable) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
 

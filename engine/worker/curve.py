@@ -189,6 +189,32 @@ class ClientAuthenticator:
         return False
 
 
+def start_authenticator(context: zmq.Context[Any], curve_keys: str | None,
+                        endpoints: dict[str, str]
+                        ) -> tuple[ClientAuthenticator | None, CurveServerKeys | None]:
+    """A worker's ZAP handler and server keys, started before any of its sockets binds (CURVE
+    without a running handler accepts any client key); ``(None, None)`` without ``curve_keys``,
+    after a warning for each endpoint that is not loopback (``--insecure-no-curve``)."""
+    if curve_keys is None:
+        exposed = [ep for ep in endpoints.values() if not is_loopback_endpoint(ep)]
+        if exposed:  # NOTE: only with insecure_no_curve (WorkerConfig refuses otherwise)
+            logger.warning("--insecure-no-curve: %s served without authentication; anyone "
+                           "who reaches them can run work here", ", ".join(exposed))
+        return None, None
+    curve = load_server_keys(Path(curve_keys))
+    auth = ClientAuthenticator(context, curve.clients)
+    auth.start()
+    logger.info("CURVE on: %d authorized client key(s) from %s", len(curve.clients), curve_keys)
+    return auth, curve
+
+
+def any_port(endpoint: str) -> str:
+    """``tcp://host:0`` -> ``tcp://host:*`` (ZeroMQ's "pick a free port")."""
+    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+        return endpoint[:-2] + ":*"
+    return endpoint
+
+
 def is_loopback_endpoint(endpoint: str) -> bool:
     """Whether a bind endpoint is reachable from this machine only: ``ipc://``, ``inproc://``, or
     ``tcp://`` on 127.0.0.0/8, ``::1`` or ``localhost``. Wildcards (``*``, ``0.0.0.0``) and

@@ -94,8 +94,8 @@ from engine.worker.config import COSTS, WorkerConfig
 from engine.worker.curve import (
     ClientAuthenticator,
     CurveServerKeys,
-    is_loopback_endpoint,
-    load_server_keys,
+    any_port,
+    start_authenticator,
 )
 from engine.worker.grammar_jobs import GrammarJobs
 from engine.worker.media_jobs import EmbeddingSource, MediaJobs
@@ -196,7 +196,7 @@ class Worker:
             curve = self._start_auth()
             if curve is not None:
                 curve.apply(self._router)
-            self._router.bind(_any_port(self.cfg.listen))
+            self._router.bind(any_port(self.cfg.listen))
             self.listen_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
             self._pub = WorkerPublisher(self.cfg.events, replay_endpoint=self.cfg.replay,
                                         context=self._ctx, curve=curve)
@@ -211,18 +211,9 @@ class Worker:
 
     def _start_auth(self) -> CurveServerKeys | None:
         """With ``curve_keys``: the server keys, once the ZAP handler that checks the clients
-        runs (NOTE: before any CURVE socket binds; without it CURVE accepts any client key)."""
-        if self.cfg.curve_keys is None:
-            exposed = [ep for ep in self.cfg.endpoints.values() if not is_loopback_endpoint(ep)]
-            if exposed:  # NOTE: only with insecure_no_curve (WorkerConfig refuses otherwise)
-                logger.warning("--insecure-no-curve: %s served without authentication; anyone "
-                               "who reaches them can run work here", ", ".join(exposed))
-            return None
-        curve = load_server_keys(Path(self.cfg.curve_keys))
-        self._auth = ClientAuthenticator(self._ctx, curve.clients)
-        self._auth.start()
-        logger.info("CURVE on: %d authorized client key(s) from %s", len(curve.clients),
-                    self.cfg.curve_keys)
+        runs (``engine.worker.curve.start_authenticator``)."""
+        self._auth, curve = start_authenticator(self._ctx, self.cfg.curve_keys,
+                                                self.cfg.endpoints)
         return curve
 
     def _make_welcome(self) -> Welcome:
@@ -389,9 +380,4 @@ def _make_media_jobs(cfg: WorkerConfig, engine: Engine) -> MediaJobs | None:
                      timeout_s=cfg.embed_timeout_s)
 
 
-def _any_port(endpoint: str) -> str:
-    """``tcp://host:0`` -> ``tcp://host:*`` (ZeroMQ's "pick a free port")."""
-    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
-        return endpoint[:-2] + ":*"
-    return endpoint
 
