@@ -318,8 +318,15 @@ class SGLangWorker:
     async def _run(self, req: _Request, kwargs: dict[str, Any]) -> None:
         """Stream one request's outputs to its client; exactly one last message."""
         last: Finished | ErrorReply | None = None
+        known = False
         try:
             async for out in self.engine.generate(kwargs):
+                if not known:
+                    known = True
+                    if req.aborted:
+                        # NOTE: the Abort may have come before SGLang knew the request (its
+                        # abort_request ignores unknown ids): now it does, abort again
+                        self.engine.abort(req.rid)
                 for item in req.mapper.feed(out):
                     if isinstance(item, TokenDelta):
                         await self._delta(req, item)

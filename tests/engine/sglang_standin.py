@@ -76,6 +76,9 @@ class StandInSGLang:
         salt = kwargs.get("cache_salt")
         n = kwargs["sampling_params"]["max_new_tokens"]
         cached = self._cached(salt, ids)
+        # NOTE: SGLang registers a request only after its first await (the tokenizer manager's
+        # send to the scheduler): an abort_request for it before then is ignored
+        await asyncio.sleep(0.05)
         self._running.add(rid)
         out: list[int] = []
         try:
@@ -110,6 +113,10 @@ class StandInSGLang:
 
     def close(self) -> None:
         self._pub.close(linger=0)
+
+    def lose_a_batch(self) -> None:
+        """The next batch's seq skips one, as if a batch had been dropped on the way."""
+        self._seq += 1
 
     # ------------------------------------------------------------------ internals
 

@@ -334,3 +334,44 @@ def test_sglangs_server_arguments() -> None:
     with pytest.raises(ValueError, match="incremental_streaming_output"):
         server_kwargs("/m", page_size=16, events="ipc:///tmp/x-kv",
                       user_args={"incremental_streaming_output": False})
+
+
+def test_an_abort_right_behind_its_generate_still_aborts(client: Client,
+                                                         standin: StandInSGLang) -> None:
+    """The Abort can be handled before SGLang knows the request (its task has not run yet),
+    where SGLang's abort_request ignores the unknown id: the worker aborts again once it does."""
+    standin.step_s = 0.005
+    client.generate("quick", _prompt(8), max_new_tokens=2000)
+    client.send(Abort(request_id="quick"))
+    _, last = client.collect("quick")
+    assert isinstance(last, Finished) and last.finish_reason == "abort", last
+    assert last.completion_tokens < 2000
+
+
+def test_a_lost_sglang_batch_makes_the_worker_forget_what_it_published(
+        worker: SGLangWorker, client: Client, standin: StandInSGLang) -> None:
+    """A lost batch may have held a removal: the worker clears its published view (the router
+    forgets this worker's pages) rather than let the router credit pages that may be gone."""
+    sub = Subscription(worker.endpoints[1])
+    try:
+        client.generate("a", _prompt(32), max_new_tokens=4)
+        assert isinstance(client.collect("a")[1], Finished)
+        sub.wait_for(lambda: any(isinstance(e, BlockStored) for e in sub.kv), "a store")
+        assert not any(isinstance(e, AllBlocksCleared) for e in sub.kv)
+        standin.lose_a_batch()
+        client.generate("b", _prompt(32, start=50), max_new_tokens=4)
+        assert isinstance(client.collect("b")[1], Finished)
+
+        def after_clear() -> list[object]:
+            kinds = [isinstance(e, AllBlocksCleared) for e in sub.kv]
+            return sub.kv[kinds.index(True):] if True in kinds else []
+
+        sub.wait_for(lambda: any(isinstance(e, BlockStored) for e in after_clear()),
+                     "a clear, then the batch's store")
+        after = after_clear()
+        stored = [h for e in after if isinstance(e, BlockStored) for h in e.block_hashes]
+        assert stored == page_hashes(_prompt(32, start=50) + _expected_tokens(
+            _prompt(32, start=50), 4), PAGE, None)[:2]  # NOTE: a root chain maps again
+        assert worker.counters.event_gaps == 1
+    finally:
+        sub.close()
