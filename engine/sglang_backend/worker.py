@@ -194,9 +194,15 @@ class SGLangWorker:
     async def serve(self) -> None:
         """Answer clients until ``stop()``; then abort what still runs and return."""
         tasks = [asyncio.create_task(coro) for coro in (
-            self._read_clients(), self._read_events(), self._housekeeping())]
+            self._read_clients(), self._read_events(), self._housekeeping(),
+            self._stopping.wait())]
         try:
-            await self._stopping.wait()
+            # NOTE: a loop task that fails ends serve (and the process: a supervisor restarts
+            # it) instead of leaving a worker that no longer reads, publishes or stops
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
         finally:
             for task in tasks:
                 task.cancel()

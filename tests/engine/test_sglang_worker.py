@@ -9,6 +9,7 @@ with agentgate's hashes, and the command line without SGLang installed.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -375,3 +376,24 @@ def test_a_lost_sglang_batch_makes_the_worker_forget_what_it_published(
         assert worker.counters.event_gaps == 1
     finally:
         sub.close()
+
+
+def test_a_failing_loop_task_ends_serve_instead_of_a_deaf_worker(standin: StandInSGLang) -> None:
+    """A bug in one of the worker's loop tasks (here the housekeeping's client check) ends
+    ``serve`` with the error, so the process exits and is restarted, rather than leaving a worker
+    that no longer publishes or notices SIGTERM."""
+    worker = SGLangWorker(WorkerConfig(listen=ANY_PORT, events=ANY_PORT), standin,
+                          ModelInfo("standin", None, VOCAB), page_size=PAGE)
+
+    def broken(now_s: float) -> list[bytes]:
+        raise RuntimeError("a bug in the client check")
+
+    worker._clients.silent = broken  # type: ignore[method-assign]  # noqa: SLF001
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(RuntimeError, match="a bug in the client check"):
+            loop.run_until_complete(asyncio.wait_for(worker.serve(), 10))
+    finally:
+        loop.close()
+        worker.close()
+        standin.close()
