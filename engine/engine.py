@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from engine.kv.layerwise import PageCopy
 from engine.model_config import ModelConfig
 from engine.sampler import SampleOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, check_logit_bias_ids
 from engine.scheduler import Scheduled, Scheduler
 from engine.sequence import Media, Sequence, check_prompt_ids
 
@@ -190,7 +190,7 @@ class Engine:
                 or prompt + max_new_tokens beyond the model's context (``ContextTooLong``).
         """
         _validate_prompt(prompt_ids, params.max_new_tokens, self.model_config, media)
-        _validate_logit_bias(params, self.model_config.vocab_size)
+        check_logit_bias_ids(params, self.model_config.vocab_size)
 
     def make_sequence(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       grammar: GrammarMatcher | None = None, media: tuple[Media, ...] = (),
@@ -628,14 +628,6 @@ def _eos_ids(model_path: str | None, cfg: ModelConfig) -> tuple[int, ...]:
         eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
         ids += eos if isinstance(eos, list) else ([] if eos is None else [eos])
     return tuple(dict.fromkeys(ids))
-
-
-def _validate_logit_bias(params: SamplingParams, vocab_size: int) -> None:
-    bad = [t for t, _ in params.logit_bias if t >= vocab_size]
-    if bad:
-        raise ValueError(
-            f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
-        )
 
 
 def _validate_prompt(prompt: list[int], max_new_tokens: int, cfg: ModelConfig,

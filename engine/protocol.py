@@ -340,6 +340,18 @@ def encode(msg: ClientMsg | WorkerMsg) -> bytes:
     return _ENCODER.encode(msg)
 
 
+def merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
+    """Consecutive deltas of one request (same optional fields) as one, in order (a gateway
+    coalescing what a slow reader has not taken yet, a worker holding back a stream)."""
+    first = deltas[0]
+    ids = [t for d in deltas for t in d.token_ids]
+    logprobs = None if first.logprobs is None else [x for d in deltas for x in d.logprobs or ()]
+    top = None if first.top_logprobs is None else \
+        [x for d in deltas for x in d.top_logprobs or ()]
+    return TokenDelta(request_id=first.request_id, token_ids=ids, logprobs=logprobs,
+                      top_logprobs=top, cached_tokens=sum(d.cached_tokens for d in deltas))
+
+
 def decode_client(data: bytes) -> ClientMsg:
     """Decode a gateway -> worker message.
 

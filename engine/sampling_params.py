@@ -172,3 +172,16 @@ def _is_logit_bias(value: object) -> bool:
 
 def _optional(check: _Check) -> _Check:
     return lambda v: v is None or check(v)
+
+
+def check_logit_bias_ids(params: SamplingParams, vocab_size: int) -> None:
+    """``SamplingParams`` checks logit-bias ids are >= 0; only the model knows the upper bound.
+
+    Raises:
+        ValueError: naming the ids outside ``[0, vocab_size)``.
+    """
+    bad = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if bad:
+        raise ValueError(
+            f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+        )

@@ -21,7 +21,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
-from engine.protocol import ErrorReply, Finished, TokenDelta
+from engine.protocol import ErrorReply, Finished, TokenDelta, merge_deltas
 from gateway.dispatch_errors import DispatchError, DispatchTimeout, StreamOverflow
 
 StreamEvent = TokenDelta | Finished | ErrorReply | DispatchError
@@ -147,14 +147,3 @@ def _same_shape(a: TokenDelta, b: TokenDelta) -> bool:
     """Whether two deltas carry the same optional fields (merging keeps them aligned)."""
     return (a.logprobs is None) == (b.logprobs is None) and \
         (a.top_logprobs is None) == (b.top_logprobs is None)
-
-
-def merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
-    """Consecutive deltas of one request (same optional fields) as one, in order."""
-    first = deltas[0]
-    ids = [t for d in deltas for t in d.token_ids]
-    logprobs = None if first.logprobs is None else [x for d in deltas for x in d.logprobs or ()]
-    top = None if first.top_logprobs is None else \
-        [x for d in deltas for x in d.top_logprobs or ()]
-    return TokenDelta(request_id=first.request_id, token_ids=ids, logprobs=logprobs,
-                      top_logprobs=top, cached_tokens=sum(d.cached_tokens for d in deltas))

@@ -14,6 +14,7 @@ import os
 import signal
 from pathlib import Path
 
+from engine.config import EngineConfig
 from engine.model_config import ConfigError, ModelConfig
 from engine.sglang_backend.launch import events_endpoint, server_kwargs, start_engine
 from engine.sglang_backend.mapping import parse_sglang_args
@@ -21,13 +22,10 @@ from engine.sglang_backend.worker import ModelInfo, SGLangWorker, run_until_stop
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PAGE_SIZE = 16  # NOTE: engine.config.EngineConfig's, so a mixed fleet hashes alike
-# NOTE: engine flags that shape the native engine only; `agentgate serve` forwards what the user
-# set (and sets --gcache itself), so they are ignored here with a warning, not refused
-NATIVE_ONLY = ("kv_budget_mb", "host_kv_budget_mb", "gcache", "gcache_wait_s",
-               "hibernate_after_s", "layerwise_load", "max_batched_tokens", "prefix_cache",
-               "checkpoint_interval_tokens", "device", "qkv_tp_size", "speculative_tokens",
-               "mtp_prefill")
+# NOTE: the engine flags this backend reads; `agentgate serve` forwards every engine flag the user
+# set (and sets --gcache itself), so the others are ignored with a warning, not refused
+SGLANG_ENGINE_FLAGS = ("page_size", "dtype", "tp", "sglang_args", "client_timeout_s",
+                       "max_queued_per_client")
 
 
 def model_info(model_dir: Path) -> ModelInfo:
@@ -49,7 +47,7 @@ def model_info(model_dir: Path) -> ModelInfo:
 
 def run(args: argparse.Namespace) -> int:
     """Start SGLang and serve until SIGINT/SIGTERM (or the parent's death)."""
-    from engine.worker.cli import watch_parent
+    from engine.worker.cli import changed_engine_flags, watch_parent
     from engine.worker.config import WorkerConfig
 
     if not args.model:
@@ -57,11 +55,12 @@ def run(args: argparse.Namespace) -> int:
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"--model {model_dir}: no config.json there")
-    ignored = [name for name in NATIVE_ONLY if getattr(args, name, None) not in (None, True)]
+    ignored = [action.option_strings[0] for action, _ in changed_engine_flags(args)
+               if action.dest not in SGLANG_ENGINE_FLAGS]
     if ignored:
-        logger.warning("ignored by the sglang backend: %s",
-                       ", ".join("--" + n.replace("_", "-") for n in ignored))
-    page_size = args.page_size or DEFAULT_PAGE_SIZE
+        logger.warning("ignored by the sglang backend: %s", ", ".join(ignored))
+    # NOTE: the native engine's default, so a mixed fleet hashes alike
+    page_size = args.page_size or EngineConfig().page_size
     kwargs = server_kwargs(str(model_dir), page_size=page_size,
                            events=events_endpoint(f"{os.getpid()}"), tp_size=args.tp,
                            dtype=args.dtype, user_args=parse_sglang_args(args.sglang_args))

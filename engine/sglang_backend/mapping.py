@@ -23,8 +23,17 @@ from __future__ import annotations
 import json
 from typing import Any, NamedTuple
 
-from engine.protocol import ErrorCode, ErrorReply, Finished, FinishReason, Generate, TokenDelta
-from engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+from engine.protocol import (
+    MEDIA_ID_BASE,
+    ErrorCode,
+    ErrorReply,
+    Finished,
+    FinishReason,
+    Generate,
+    TokenDelta,
+)
+from engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams, check_logit_bias_ids
+from engine.sequence import check_prompt_ids
 
 # NOTE: sglang 0.5.23 sampling/sampling_params.py SamplingParams.verify: (0, 2]
 SGLANG_MAX_REPETITION_PENALTY = 2.0
@@ -359,8 +368,16 @@ def _validated(msg: Generate, *, supports_cache_salt: bool, vocab_size: int | No
         raise Refused("invalid_request", str(exc)) from None
     if not msg.input_ids:
         raise Refused("invalid_request", "input_ids: the prompt is empty; give at least one id")
-    _check_ids("input_ids", list(msg.input_ids), vocab_size)
-    _check_ids("sampling.logit_bias", [t for t, _ in params.logit_bias], vocab_size)
+    # NOTE: the native engine's checks; without a vocabulary size, ids stay below the media
+    # placeholders (every vocabulary does: engine.protocol.MEDIA_ID_BASE)
+    try:
+        check_prompt_ids(list(msg.input_ids), [], vocab_size or MEDIA_ID_BASE)
+    except ValueError as exc:
+        raise Refused("invalid_request", f"input_ids: {exc}") from None
+    try:
+        check_logit_bias_ids(params, vocab_size or MEDIA_ID_BASE)
+    except ValueError as exc:
+        raise Refused("invalid_request", f"sampling: {exc}") from None
     if params.repetition_penalty > SGLANG_MAX_REPETITION_PENALTY:
         raise Refused("invalid_request", f"sampling.repetition_penalty="
                       f"{params.repetition_penalty}: the sglang backend accepts (0, "
@@ -375,15 +392,6 @@ def _validated(msg: Generate, *, supports_cache_salt: bool, vocab_size: int | No
                       "resumed on the sglang backend; restart the structured request from its "
                       "original prompt")
     return params
-
-
-def _check_ids(field: str, ids: list[int], vocab_size: int | None) -> None:
-    limit = vocab_size if vocab_size is not None else float("inf")
-    bad = [t for t in ids if not 0 <= t < limit]
-    if bad:
-        bound = f"[0, {vocab_size})" if vocab_size is not None else "[0, inf)"
-        raise Refused("invalid_request",
-                      f"{field}: token ids {bad[:5]} are outside the vocabulary {bound}")
 
 
 def _top_pairs(row: list[Any] | None, k: int) -> list[tuple[int, float]]:

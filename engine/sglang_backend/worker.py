@@ -38,7 +38,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import zmq
@@ -48,6 +48,7 @@ from engine.protocol import (
     PROTOCOL_VERSION,
     Abort,
     ClientMsg,
+    ErrorCode,
     ErrorReply,
     Finished,
     Flush,
@@ -62,12 +63,13 @@ from engine.protocol import (
     WorkerMsg,
     decode_client,
     encode,
+    merge_deltas,
 )
 from engine.sglang_backend.kv_events import EventTranslator
 from engine.sglang_backend.mapping import OutputMapper, Refused, generate_kwargs, unsupported_hints
 from engine.sglang_backend.wire import SGLangWireError, decode_batch
 from engine.worker.clients import ClientWatch
-from engine.worker.config import MAX_STREAM_INTERVAL_S, WorkerConfig
+from engine.worker.config import WorkerConfig, stream_interval_error
 from engine.worker.curve import any_port, start_authenticator
 from engine.worker.publisher import WorkerPublisher
 
@@ -124,7 +126,6 @@ class Counters:
     unsupported_hints: int = 0
     event_gaps: int = 0
     bad_event_batches: int = 0
-    by_hint: dict[str, int] = field(default_factory=dict)
 
 
 class SGLangWorker:
@@ -152,7 +153,6 @@ class SGLangWorker:
         self._requests: dict[tuple[bytes, str], _Request] = {}
         self._per_client: dict[bytes, int] = {}
         self._clients = ClientWatch(cfg.client_timeout_s)
-        self._stopping = asyncio.Event()
         self._stop_requested = False
         self._last_load_s = 0.0
         self._sglang_seq: int | None = None
@@ -194,11 +194,11 @@ class SGLangWorker:
     async def serve(self) -> None:
         """Answer clients until ``stop()``; then abort what still runs and return."""
         tasks = [asyncio.create_task(coro) for coro in (
-            self._read_clients(), self._read_events(), self._housekeeping(),
-            self._stopping.wait())]
+            self._read_clients(), self._read_events(), self._housekeeping())]
         try:
-            # NOTE: a loop task that fails ends serve (and the process: a supervisor restarts
-            # it) instead of leaving a worker that no longer reads, publishes or stops
+            # NOTE: housekeeping returns once stop() was called; a loop task that fails ends
+            # serve too (and the process: a supervisor restarts it) instead of leaving a worker
+            # that no longer reads, publishes or stops
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 if not task.cancelled() and task.exception() is not None:
@@ -232,32 +232,28 @@ class SGLangWorker:
             identity = frames[0]
             self._clients.seen(identity, time.monotonic())
             if len(frames) != 2:
-                await self._send(identity, ErrorReply(
-                    request_id=None, code="bad_message",
-                    message=f"expected one frame per message, got {len(frames) - 1}"))
+                await self._error(identity, None, "bad_message",
+                                  f"expected one frame per message, got {len(frames) - 1}")
                 continue
             try:
                 msg = decode_client(frames[1])
             except ProtocolError as e:
-                await self._send(identity, ErrorReply(request_id=None, code="bad_message",
-                                                      message=str(e)))
+                await self._error(identity, None, "bad_message", str(e))
                 continue
             try:
                 await self._dispatch(identity, msg)
             except Exception as e:  # NOTE: a bug in one message must not take the worker down
                 logger.exception("failed to handle a %s message", type(msg).__name__)
-                request_id = getattr(msg, "request_id", None)
-                await self._send(identity, ErrorReply(request_id=request_id, code="internal",
-                                                      message=f"{type(e).__name__} in the worker"))
+                await self._error(identity, getattr(msg, "request_id", None), "internal",
+                                  f"{type(e).__name__} in the worker")
 
     async def _dispatch(self, identity: bytes, msg: ClientMsg) -> None:
         match msg:
             case Hello():
                 if msg.version != PROTOCOL_VERSION:
-                    await self._send(identity, ErrorReply(
-                        request_id=None, code="version_mismatch",
-                        message=f"worker speaks protocol version {PROTOCOL_VERSION}, "
-                                f"client {msg.version}"))
+                    await self._error(identity, None, "version_mismatch",
+                                      f"worker speaks protocol version {PROTOCOL_VERSION}, "
+                                      f"client {msg.version}")
                 else:
                     await self._send(identity, self.welcome())
             case Generate():
@@ -267,7 +263,7 @@ class SGLangWorker:
                 if req is not None:
                     self._abort(req)
             case Retain():
-                self._count_hint("retain")
+                self.counters.unsupported_hints += 1
             case GetLoad():
                 await self._send(identity, await self._load_report())
             case Flush():
@@ -275,51 +271,45 @@ class SGLangWorker:
                 await self._send(identity, await self._load_report())
 
     async def _generate(self, identity: bytes, msg: Generate) -> None:
-        key = (identity, msg.request_id)
-        if key in self._requests:
-            await self._refuse(identity, msg, "duplicate_request",
-                               f"request {msg.request_id!r} is still running")
-            return
-        if self._per_client.get(identity, 0) >= self.cfg.max_queued_per_client:
-            await self._refuse(identity, msg, "overloaded",
-                               f"this client has {self.cfg.max_queued_per_client} requests in "
-                               "the worker (max_queued_per_client)")
-            return
-        if msg.sampling.structured is not None and not self.engine.has_grammar:
-            await self._refuse(identity, msg, "invalid_grammar",
-                               "structured output on the sglang backend needs SGLang's grammar "
-                               "backend, which needs its tokenizer: start the worker with "
-                               "--sglang-arg skip_tokenizer_init=false")
-            return
-        if not 0 <= msg.stream_interval_s <= MAX_STREAM_INTERVAL_S:
-            await self._refuse(identity, msg, "invalid_request",
-                               f"stream_interval_s={msg.stream_interval_s}: must be in "
-                               f"[0, {MAX_STREAM_INTERVAL_S}]")
-            return
         rid = uuid.uuid4().hex
         try:
+            self._check_admission(identity, msg)
             kwargs = generate_kwargs(msg, rid=rid,
                                      supports_cache_salt=self.engine.supports_cache_salt,
                                      vocab_size=self.model.vocab_size)
+            self._check_context(msg)
         except Refused as e:
-            await self._refuse(identity, msg, e.code, e.message)
+            await self._error(identity, msg.request_id, e.code, e.message)
             return
-        if len(msg.input_ids) + msg.sampling.max_new_tokens > self.engine.max_context > 0:
-            await self._refuse(identity, msg, "context_too_long",
-                               f"prompt ({len(msg.input_ids)} tokens) + max_new_tokens "
-                               f"({msg.sampling.max_new_tokens}) exceeds the context of "
-                               f"{self.engine.max_context}")
-            return
-        for hint in unsupported_hints(msg):
-            self._count_hint(hint)
+        self.counters.unsupported_hints += len(unsupported_hints(msg))
         mapper = OutputMapper(msg.request_id, prompt_tokens=len(msg.input_ids),
                               logprobs=msg.sampling.logprobs,
                               incremental=self.engine.incremental)
         req = _Request(identity, msg.request_id, rid, mapper, msg.stream_interval_s,
                        time.monotonic())
-        self._requests[key] = req
+        self._requests[(identity, msg.request_id)] = req
         self._per_client[identity] = self._per_client.get(identity, 0) + 1
         req.task = asyncio.create_task(self._run(req, kwargs))
+
+    def _check_admission(self, identity: bytes, msg: Generate) -> None:
+        """Refuse (``Refused``) what this worker will not queue, before SGLang sees it."""
+        if (identity, msg.request_id) in self._requests:
+            raise Refused("duplicate_request", f"request {msg.request_id!r} is still running")
+        if self._per_client.get(identity, 0) >= self.cfg.max_queued_per_client:
+            raise Refused("overloaded", f"this client has {self.cfg.max_queued_per_client} "
+                          "requests in the worker (max_queued_per_client)")
+        if msg.sampling.structured is not None and not self.engine.has_grammar:
+            raise Refused("invalid_grammar", "structured output on the sglang backend needs "
+                          "SGLang's grammar backend, which needs its tokenizer: start the worker "
+                          "with --sglang-arg skip_tokenizer_init=false")
+        if (text := stream_interval_error(msg.stream_interval_s)) is not None:
+            raise Refused("invalid_request", text)
+
+    def _check_context(self, msg: Generate) -> None:
+        limit, prompt = self.engine.max_context, len(msg.input_ids)
+        if limit > 0 and prompt + msg.sampling.max_new_tokens > limit:
+            raise Refused("context_too_long", f"prompt ({prompt} tokens) + max_new_tokens "
+                          f"({msg.sampling.max_new_tokens}) exceeds the context of {limit}")
 
     async def _run(self, req: _Request, kwargs: dict[str, Any]) -> None:
         """Stream one request's outputs to its client; exactly one last message."""
@@ -360,7 +350,7 @@ class SGLangWorker:
 
     async def _delta(self, req: _Request, delta: TokenDelta) -> None:
         """Send ``delta`` now, or hold it (merged) until ``stream_interval_s`` has passed."""
-        delta = delta if req.held is None else merge_deltas(req.held, delta)
+        delta = delta if req.held is None else merge_deltas([req.held, delta])
         now = time.monotonic()
         if now - req.last_sent_s >= req.interval_s:
             req.held = None
@@ -383,17 +373,13 @@ class SGLangWorker:
             else:
                 del self._per_client[req.identity]
 
-    async def _refuse(self, identity: bytes, msg: Generate, code: Any, message: str) -> None:
-        await self._send(identity, ErrorReply(request_id=msg.request_id, code=code,
-                                              message=message))
+    async def _error(self, identity: bytes, request_id: str | None, code: ErrorCode,
+                     message: str) -> None:
+        await self._send(identity, ErrorReply(request_id=request_id, code=code, message=message))
 
     async def _send(self, identity: bytes, msg: WorkerMsg) -> None:
         with contextlib.suppress(zmq.ZMQError):  # NOTE: a client that is gone loses its reply
             await self._router.send_multipart([identity, encode(msg)])
-
-    def _count_hint(self, hint: str) -> None:
-        self.counters.unsupported_hints += 1
-        self.counters.by_hint[hint] = self.counters.by_hint.get(hint, 0) + 1
 
     # ------------------------------------------------------------------ events and load
 
@@ -429,7 +415,6 @@ class SGLangWorker:
         while True:
             await asyncio.sleep(PERIODIC_S)
             if self._stop_requested:
-                self._stopping.set()
                 return
             self._pub.poll_replay()
             now = time.monotonic()
@@ -461,16 +446,6 @@ class SGLangWorker:
             total_bytes=total, cached_pages=0,
             unsupported_hints=self.counters.unsupported_hints,
         )
-
-def merge_deltas(first: TokenDelta, then: TokenDelta) -> TokenDelta:
-    """One ``TokenDelta`` for two consecutive ones of a request (``first``'s cached_tokens)."""
-    return TokenDelta(
-        request_id=first.request_id, token_ids=first.token_ids + then.token_ids,
-        logprobs=None if first.logprobs is None else first.logprobs + (then.logprobs or []),
-        top_logprobs=None if first.top_logprobs is None else (
-            first.top_logprobs + (then.top_logprobs or [])),
-        cached_tokens=first.cached_tokens)
-
 
 def run_until_stopped(worker: SGLangWorker, loop: asyncio.AbstractEventLoop,
                       on_started: Callable[[], None] | None = None) -> None:

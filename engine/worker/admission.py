@@ -9,7 +9,7 @@ from engine.protocol import ErrorReply, Generate
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Overloaded
 from engine.sequence import Media, Sequence
-from engine.worker.config import MAX_STREAM_INTERVAL_S
+from engine.worker.config import stream_interval_error
 
 
 def check_generate(msg: Generate, engine: Engine, max_grammar_bytes: int
@@ -21,8 +21,7 @@ def check_generate(msg: Generate, engine: Engine, max_grammar_bytes: int
         params = msg.sampling.to_params()
     except ValueError as e:
         return ErrorReply(request_id=rid, code="invalid_request", message=str(e))
-    if not 0.0 <= msg.stream_interval_s <= MAX_STREAM_INTERVAL_S:  # NOTE: False for NaN
-        text = f"stream_interval_s={msg.stream_interval_s}: must be in [0, {MAX_STREAM_INTERVAL_S}]"
+    if (text := stream_interval_error(msg.stream_interval_s)) is not None:
         return ErrorReply(request_id=rid, code="invalid_request", message=text)
     size = 0 if params.structured is None else spec_bytes(params.structured)
     if size > max_grammar_bytes:

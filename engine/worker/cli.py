@@ -168,14 +168,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser | Any) -> list[argparse
     ]
 
 
+def changed_engine_flags(args: argparse.Namespace) -> list[tuple[argparse.Action, Any]]:
+    """The engine flags set in ``args`` (parsed by a parser with ``add_engine_arguments``) to
+    other values than their defaults, with those values."""
+    return [(action, value) for action in add_engine_arguments(argparse.ArgumentParser(
+        add_help=False)) if (value := getattr(args, action.dest, action.default)) != action.default]
+
+
 def engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine flags set in ``args`` (parsed by a parser with ``add_engine_arguments``) that
-    differ from their defaults, as a worker command line: ``["--cost", "h200", ...]``."""
+    """``changed_engine_flags`` as a worker command line: ``["--cost", "h200", ...]``."""
     argv: list[str] = []
-    for action in add_engine_arguments(argparse.ArgumentParser(add_help=False)):
-        value = getattr(args, action.dest, action.default)
-        if value == action.default:
-            continue
+    for action, value in changed_engine_flags(args):
         flag = action.option_strings[0]
         if isinstance(value, list):  # NOTE: an append flag: once per value
             argv += [part for item in value for part in (flag, str(item))]

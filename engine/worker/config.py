@@ -17,6 +17,14 @@ MAX_STREAM_INTERVAL_S = 10.0  # NOTE: well below a client's idle timeout (the ga
 DEFAULT_EMBED_CACHE_BYTES = 64 * 2**20
 
 
+def stream_interval_error(interval_s: float) -> str | None:
+    """Why ``Generate.stream_interval_s`` is refused (``invalid_request``); None when it is in
+    ``[0, MAX_STREAM_INTERVAL_S]`` (NOTE: NaN is not)."""
+    if 0.0 <= interval_s <= MAX_STREAM_INTERVAL_S:
+        return None
+    return f"stream_interval_s={interval_s}: must be in [0, {MAX_STREAM_INTERVAL_S}]"
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     """The worker process's own settings (the engine's are an ``EngineConfig``).

@@ -6,9 +6,9 @@ import asyncio
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from engine.protocol import Finished, TokenDelta
+from engine.protocol import Finished, TokenDelta, merge_deltas
 from gateway.dispatch_errors import DispatchTimeout, StreamOverflow
-from gateway.request_stream import RequestStream, merge_deltas
+from gateway.request_stream import RequestStream
 
 RID = "r"
 
